@@ -1,0 +1,1 @@
+"""Pipeline stages as plain functions (no Prefect): data, sft, reward, ppo, evaluate."""

@@ -1,0 +1,90 @@
+"""What the stages share: the base model a run starts from, and step-loop bookkeeping."""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from hybridcore.errors import InputError
+from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
+                               load_tokenizer, train_tokenizer)
+from stages import data
+
+
+def base_model(p):
+    """(tokenizer, causal LM) the pipeline starts from: a local folder, or a preset built for this run."""
+    prec, attn = p.engine.roles.actor.precision or p.engine.precision, p.engine.attention
+    if p.model.path is not None:
+        tok = load_tokenizer(p.model.tokenizer or p.model.path, p.model.trust_remote_code,
+                             "model.tokenizer" if p.model.tokenizer else "model.path")
+        model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code)
+    else:
+        tok = (load_tokenizer(p.model.tokenizer) if p.model.tokenizer
+               else train_tokenizer(data.corpus(p), PRESETS[p.model.preset]["tokenizer_vocab"]))
+        model = build_preset(p.model.preset, tok, p.pipeline.seed).to(DTYPES[prec])
+        model.config._attn_implementation = attn
+    check_vocab(model, tok, "model.tokenizer" if p.model.tokenizer else "model")
+    return tok, model
+
+
+def role_precision(p, role: str) -> str:
+    return getattr(p.engine.roles, role).precision or p.engine.precision
+
+
+def load_scorer(p, folder, role: str, pad_token_id: int):
+    return load_sequence_scorer(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
+                                pad_token_id=pad_token_id, field=f"{role} model")
+
+
+def load_policy(p, folder, role: str):
+    return load_causal_lm(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
+                          field=f"{role} model")
+
+
+def total_steps(n_rows: int, batch_size: int, epochs: int, what: str) -> int:
+    steps = (n_rows // batch_size) * epochs
+    if steps == 0:
+        raise InputError(f"{what}: {n_rows} training rows is fewer than one batch of {batch_size} "
+                         f"(lower {what.split('.')[0]}.batch_size or add data)")
+    return steps
+
+
+class StepLog:
+    """Progress bar, throughput and a loss history for one training loop."""
+
+    def __init__(self, name: str, total: int, sink):
+        self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True, leave=True)
+        self.sink, self.losses, self.t0, self.tokens = sink, [], time.perf_counter(), 0
+
+    def step(self, step: int, loss: float, tokens: int, **extra: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        elapsed = time.perf_counter() - self.t0
+        metrics = {"loss": loss, "tokens_per_s": self.tokens / max(elapsed, 1e-9), **extra}
+        self.sink.log(metrics, step)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        self.bar.update(1)
+
+    def close(self) -> dict:
+        """Mean loss over the last tenth of the steps and over the tenth before (to see it flatten)."""
+        self.bar.close()
+        k = max(1, len(self.losses) // 10)
+        last, prev = self.losses[-k:], self.losses[-2 * k:-k] or self.losses[-k:]
+        return {"train_loss": sum(last) / len(last), "train_loss_prev": sum(prev) / len(prev),
+                "tokens_per_s": self.tokens / max(time.perf_counter() - self.t0, 1e-9), "steps": len(self.losses)}
+
+
+def seed_all(seed: int) -> None:
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def frozen(model):
+    """Not trained: no autograd tracking, eval mode."""
+    model.requires_grad_(False)
+    return model.eval()

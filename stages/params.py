@@ -1,0 +1,289 @@
+"""The params schema: one YAML file holds every parameter of one pipeline run.
+
+Every field is optional and documented next to its default; unknown keys and wrong types are
+`InputError`s that name the field path. `Overrides` mirrors the schema with every field optional, so
+that Prefect validates a deployment's overrides before a run is created.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from hybridcore.errors import InputError, NotYetSupported
+
+PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
+STAGES = ("sft", "reward", "ppo", "evaluate")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PosInt = Field(gt=0)
+
+
+class Pipeline(_Section):
+    name: str = "tiny"                      # names the MLflow experiment's parent runs and registered models
+    seed: int = 0                           # one seed: data generation, init, sampling
+    stages: list[Literal["sft", "reward", "ppo", "evaluate"]] = list(STAGES)  # run up to the last one listed
+    artifacts_dir: str = "artifacts"        # the cache: <artifacts_dir>/<stage>/<key>/
+
+
+class Model(_Section):
+    path: Optional[str] = None              # local HF folder (safetensors); when null, `preset` is built
+    preset: Literal["tiny", "micro"] = "tiny"  # built-in Llama config with random weights + locally trained BPE
+    tokenizer: Optional[str] = None         # tokenizer folder; default: the model folder's own
+    trust_remote_code: bool = False         # never run a model folder's code unless turned on
+
+
+class Synthetic(_Section):
+    """The built-in task: word problems adding two digits, with a sloppy demonstrator (see stages/data.py)."""
+    n_sft: int = Field(4000, gt=0)          # demonstrations
+    n_preferences: int = Field(4000, gt=0)  # preference pairs
+    n_prompts: int = Field(2048, gt=0)      # PPO prompts
+    n_heldout: int = Field(256, gt=0)       # held-out prompts/pairs for every evaluation
+    carry_error_rate: float = Field(0.6, ge=0, le=1)  # how often the demonstrator drops the carry
+
+
+class DataFile(_Section):
+    path: Optional[str] = None              # JSONL or Parquet; null = the built-in synthetic task
+
+
+class Data(_Section):
+    synthetic: Synthetic = Synthetic()
+    sft: DataFile = DataFile()              # columns: prompt, response
+    preferences: DataFile = DataFile()      # columns: prompt, chosen, rejected
+    prompts: DataFile = DataFile()          # columns: prompt (+ optional answer, used only by evaluation)
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)  # share of a user's file kept for evaluation
+
+
+class Optim(_Section):
+    epochs: int = Field(3, gt=0)
+    batch_size: int = Field(32, gt=0)       # sequences per optimizer step
+    micro_batch_size: int = Field(32, gt=0) # sequences per forward; batch_size / micro = grad accumulation
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_seq_len: int = Field(64, gt=0)      # prompt + response tokens; longer examples are an input error
+
+    @model_validator(mode="after")
+    def _divides(self):
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
+        return self
+
+
+class SFT(Optim):
+    pass
+
+
+class Reward(Optim):
+    lr: float = Field(3e-4, gt=0)
+    init: Literal["sft"] = "sft"            # the RM starts from the SFT model
+
+
+class PPO(_Section):
+    iterations: int = Field(40, gt=0)       # rollout batches
+    rollout_batch_size: int = Field(64, gt=0)  # prompts per rollout
+    minibatch_size: int = Field(32, gt=0)   # sequences per optimizer step
+    micro_batch_size: int = Field(32, gt=0) # sequences per forward
+    ppo_epochs: int = Field(4, gt=0)        # passes over each rollout batch
+    actor_lr: float = Field(5e-5, gt=0)
+    critic_lr: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_range: float = Field(0.2, gt=0)    # policy ratio clip
+    value_clip: float = Field(0.2, gt=0)    # value clip around the rollout's values
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_coef: float = Field(0.05, ge=0)      # per-token KL penalty against the reference
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    entropy_coef: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)             # 0 = off
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, gt=0)
+    missing_eos_penalty: Optional[float] = None  # added to the reward of responses that never end
+    critic_init: Literal["reward", "sft"] = "reward"  # value head from the RM (score head) or fresh on SFT
+
+    @model_validator(mode="after")
+    def _divides(self):
+        for big, small in (("rollout_batch_size", "minibatch_size"), ("minibatch_size", "micro_batch_size")):
+            if getattr(self, big) % getattr(self, small):
+                raise ValueError(f"{big} ({getattr(self, big)}) must be a multiple of {small} "
+                                 f"({getattr(self, small)})")
+        return self
+
+
+class Evaluate(_Section):
+    max_new_tokens: int = Field(8, gt=0)
+    batch_size: int = Field(64, gt=0)
+    samples: int = Field(16, ge=0)          # sample generations kept in the artifact
+
+
+class Tracking(_Section):
+    enabled: bool = True
+    uri: str = "sqlite:///mlruns/mlflow.db"  # relative paths are taken from the working directory
+    artifacts: str = "mlruns/artifacts"
+    experiment: str = "hybrid-rlhf"
+
+
+class Role(_Section):
+    precision: Optional[Literal["fp32", "bf16"]] = None  # null = engine.precision
+    quantization: Literal["none", "8bit", "4bit"] = "none"
+    lora: Optional[dict[str, Any]] = None   # {rank, alpha, targets}
+
+
+class Roles(_Section):
+    actor: Role = Role()
+    critic: Role = Role()
+    reference: Role = Role()
+    reward: Role = Role()
+
+
+class Layout(_Section):
+    dp: int = Field(1, gt=0)
+    tp: int = Field(1, gt=0)
+    zero_stage: int = Field(0, ge=0, le=3)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+class Rollout(_Section):
+    backend: Literal["native", "vllm"] = "native"
+    tp: int = Field(1, gt=0)
+    offload_optimizer: bool = False
+
+
+class Engine(_Section):
+    precision: Literal["fp32", "bf16"] = "bf16"
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    activation_checkpointing: bool = True
+    memory_budget_gib: Optional[float] = Field(None, gt=0)  # the planner is on when set
+    share_base: bool = False                # actor + critic adapters on one frozen base
+    roles: Roles = Roles()
+    layout: Layout = Layout()
+    rollout: Rollout = Rollout()
+
+
+class Params(_Section):
+    pipeline: Pipeline = Pipeline()
+    model: Model = Model()
+    data: Data = Data()
+    sft: SFT = SFT()
+    reward: Reward = Reward()
+    ppo: PPO = PPO()
+    evaluate: Evaluate = Evaluate()
+    tracking: Tracking = Tracking()
+    engine: Engine = Engine()
+
+
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """The same schema with every field optional and None by default, sections nested the same way."""
+    fields = {}
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            ann = _partial(ann)
+        fields[name] = (Optional[ann], None)
+    return create_model(f"{model.__name__}Overrides", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+Overrides = _partial(Params)
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after")) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{loc}' (check the spelling; see params/tiny.yaml for every key)"
+    got = e.get("input")
+    got = "" if isinstance(got, dict) else f", got {got!r}"
+    return f"{source}: {loc}: {e['msg'].removeprefix('Value error, ')}{got}"
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_preset(preset: str) -> Path:
+    """A preset name in params/ or a path to a YAML file."""
+    p = Path(preset)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise InputError(f"params file {preset}: not found (expected a YAML file or a name in {PARAMS_DIR})")
+        return p
+    p = PARAMS_DIR / f"{preset}.yaml"
+    if not p.is_file():
+        names = ", ".join(sorted(q.stem for q in PARAMS_DIR.glob("*.yaml")))
+        raise InputError(f"params preset '{preset}': not found (expected one of: {names}, or a YAML path)")
+    return p
+
+
+def parse_sets(sets: list[str]) -> dict:
+    """`--set a.b.c=value` lines -> a nested dict; values are parsed as YAML scalars."""
+    out: dict = {}
+    for item in sets:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"--set {item!r}: expected key.path=value")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    return out
+
+
+def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Params:
+    """Read a preset/YAML file, deep-merge overrides onto it and validate the result."""
+    path = resolve_preset(preset)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: expected a mapping of sections at the top level, got {type(doc).__name__}")
+    if overrides:
+        doc = deep_merge(doc, overrides)
+    try:
+        params = Params.model_validate(doc)
+    except ValidationError as e:
+        raise InputError(_one_line(e, str(path))) from None
+    check_supported(params)
+    return params
+
+
+def check_supported(p: Params) -> None:
+    """Engine options whose code has not landed yet are refused up front, naming the issue that brings them."""
+    e = p.engine
+    for role in ("actor", "critic", "reference", "reward"):
+        r = getattr(e.roles, role)
+        if r.quantization != "none":
+            raise NotYetSupported(f"engine.roles.{role}.quantization={r.quantization}", "the memory issue (#5)")
+        if r.lora is not None:
+            raise NotYetSupported(f"engine.roles.{role}.lora", "the memory issue (#5)")
+    if e.share_base:
+        raise NotYetSupported("engine.share_base=true", "the memory issue (#5)")
+    if e.memory_budget_gib is not None:
+        raise NotYetSupported("engine.memory_budget_gib (the planner)", "the memory issue (#5)")
+    if e.layout.dp * e.layout.tp > 1 or e.layout.zero_stage or e.layout.offload_optimizer or e.layout.offload_params:
+        raise NotYetSupported("engine.layout other than dp=1, tp=1, zero_stage=0 without offload",
+                              "the memory (#5) and 3D sharding (#8) issues")
+    if e.rollout.backend != "native" or e.rollout.tp != 1 or e.rollout.offload_optimizer:
+        raise NotYetSupported("engine.rollout other than backend=native, tp=1", "the rollout issue (#6)")
+
+
+def stage_list(p: Params) -> list[str]:
+    """Stages to run: every stage up to the last one listed, since each needs its predecessors' artifacts."""
+    last = max(STAGES.index(s) for s in p.pipeline.stages)
+    return list(STAGES[: last + 1])
