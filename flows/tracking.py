@@ -85,7 +85,8 @@ class Tracker:
             return NullSink()
         tags = {"mlflow.parentRunId": self.run_id, "stage": stage, "cache_key": key}
         run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
-        self._log_params(run.info.run_id, flatten(stage_params))
+        named = {stage if k == "stage" else k: v for k, v in stage_params.items()}  # ppo.kl_coef, not stage.kl_coef
+        self._log_params(run.info.run_id, flatten(named))
         return StageRun(self.client, run.info.run_id)
 
     def end_stage(self, sink, result: Optional[StageResult], status: str = "FINISHED") -> None:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import datasets
 from datasets import Dataset
 
 from hybridcore.errors import InputError
+
+datasets.disable_progress_bars()  # a few thousand rows load in milliseconds; the stages have their own bars
 
 NAMES = ["mia", "tom", "ana", "leo", "eva", "sam", "ivy", "max", "zoe", "ben", "amy", "dan",
          "kim", "joe", "liz", "ray", "ada", "bob", "fay", "gus", "ida", "ned", "pia", "ted"]
@@ -90,17 +93,20 @@ def read_table(path: str, kind: str) -> Dataset:
     if not p.is_file():
         raise InputError(f"{field}: file {path} not found (expected a JSONL or Parquet file)")
     suffix = p.suffix.lower()
+    if p.stat().st_size == 0:
+        raise InputError(f"{field}: {path} is empty (expected rows with columns {', '.join(COLUMNS[kind])})")
     try:
         if suffix in (".jsonl", ".json"):
             ds = Dataset.from_json(str(p))
         elif suffix == ".parquet":
             ds = Dataset.from_parquet(str(p))
         else:
-            raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl or .parquet)")
+            raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl, .json or .parquet)")
     except InputError:
         raise
     except Exception as e:  # pyarrow/datasets raise many types for unreadable files
-        raise InputError(f"{field}: could not read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        detail = (str(e).splitlines() or [""])[0][:200]
+        raise InputError(f"{field}: could not read {path} ({type(e).__name__}: {detail})") from None
     if len(ds) == 0:
         raise InputError(f"{field}: {path} has no rows")
     missing = [c for c in COLUMNS[kind] if c not in ds.column_names]
@@ -108,7 +114,7 @@ def read_table(path: str, kind: str) -> Dataset:
         raise InputError(f"{field}: {path} lacks column(s) {', '.join(missing)} "
                          f"(expected columns: {', '.join(COLUMNS[kind])}; found: {', '.join(ds.column_names)})")
     for col in COLUMNS[kind] + (("answer",) if "answer" in ds.column_names else ()):
-        bad = next((i for i, v in enumerate(ds[col]) if not isinstance(v, str) or (col == "prompt" and not v)), None)
+        bad = next((i for i, v in enumerate(ds[col]) if not isinstance(v, str) or (col != "answer" and not v)), None)
         if bad is not None:
             raise InputError(f"{field}: {path} row {bad + 1}: column '{col}' must be a non-empty string, "
                              f"got {ds[bad][col]!r}")

@@ -28,7 +28,7 @@ PosInt = Field(gt=0)
 class Pipeline(_Section):
     name: str = "tiny"                      # names the MLflow experiment's parent runs and registered models
     seed: int = 0                           # one seed: data generation, init, sampling
-    stages: list[Literal["sft", "reward", "ppo", "evaluate"]] = list(STAGES)  # run up to the last one listed
+    stages: list[Literal["sft", "reward", "ppo", "evaluate"]] = Field(list(STAGES), min_length=1)  # run up to the last one listed
     artifacts_dir: str = "artifacts"        # the cache: <artifacts_dir>/<stage>/<key>/
 
 
@@ -240,6 +240,10 @@ def parse_sets(sets: list[str]) -> dict:
         *parents, leaf = key.strip().split(".")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InputError(f"--set {item!r}: '{part}' was already set to a value, not a section")
+        if isinstance(node.get(leaf), dict):
+            raise InputError(f"--set {item!r}: '{key.strip()}' is a section already given fields by another --set")
         node[leaf] = yaml.safe_load(raw) if raw.strip() else None
     return out
 
@@ -253,6 +257,7 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
         raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected a mapping of sections at the top level, got {type(doc).__name__}")
+    doc = {k: ({} if v is None else v) for k, v in doc.items()}  # a section left with every key commented out
     if overrides:
         doc = deep_merge(doc, overrides)
     try:

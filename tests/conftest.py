@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny pipeline runs once per test session, through the real CLI, and every test
+that only reads its results (artifacts, summary, MLflow store) shares that run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """`hybrid-rlhf ARGS` in a fresh process, in `cwd` (where .prefect/, mlruns/ and artifacts/ go)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@dataclass
+class PipelineRun:
+    workdir: Path
+    summary: dict
+    stdout: str
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> PipelineRun:
+    """The README's default pipeline (params/tiny.yaml), run once for the whole session."""
+    workdir = tmp_path_factory.mktemp("tiny")
+    t0 = time.time()
+    proc = run_cli(["run", str(ROOT / "params" / "tiny.yaml"), "--summary-json", "summary.json"], workdir)
+    seconds = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return PipelineRun(workdir, json.loads((workdir / "summary.json").read_text()), proc.stdout, seconds)
