@@ -54,8 +54,10 @@ class HybridActor:
         tok = self.tokenizer
         ids, mask = left_pad(prompts, tok.pad_token_id)
         device = next(self.model.parameters()).device
+        # top_k=0 explicitly: None would let generate() fill in its global default of 50, and rollouts would
+        # then come from a truncated distribution while PPO scores them under the full softmax.
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=temperature,
-                               top_k=top_k if top_k > 0 else None, top_p=top_p, pad_token_id=tok.pad_token_id,
+                               top_k=top_k, top_p=top_p, pad_token_id=tok.pad_token_id,
                                eos_token_id=tok.eos_token_id, bos_token_id=None)
         if greedy:
             cfg.temperature, cfg.top_k, cfg.top_p = None, None, None

@@ -41,6 +41,8 @@ def read_verified(folder: Path) -> Optional[dict]:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if not isinstance(files, dict) or not files:
+        return None
     for rel, digest in files.items():
         p = folder / rel
         if not p.is_file() or sha256_file(p) != digest:

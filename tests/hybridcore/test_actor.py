@@ -1,0 +1,244 @@
+"""Unit tests for hybridcore.actor.HybridActor: one set of weights for rollout and training."""
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridcore.actor import HybridActor
+from hybridcore.batch import pack
+from hybridcore.forward import response_logprobs
+from hybridcore.models import build_preset, train_tokenizer
+
+NAMES = ["mia", "leo", "ana", "tom", "zoe", "max", "ivy", "sam"]
+FRUITS = ["pears", "apples", "plums", "figs", "limes"]
+MAX_NEW = 12
+
+
+def make_texts(n=200, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        out.append(f"{rng.choice(NAMES)} has {a} {rng.choice(FRUITS)} and gets {b} more. total: {a + b}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(make_texts(), 384)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    """Eight prompts of pairwise different lengths (1..30 tokens)."""
+    texts = make_texts(16, seed=5)
+    lens = [5, 12, 1, 20, 8, 30, 3, 16]
+    out = [tok(texts[2 * i] + ". " + texts[2 * i + 1], add_special_tokens=False)["input_ids"][:n]
+           for i, n in enumerate(lens)]
+    assert [len(p) for p in out] == lens
+    return out
+
+
+def fresh_model(tok):
+    torch.manual_seed(0)
+    return build_preset("micro", tok, seed=0).float()
+
+
+@pytest.fixture(scope="module")
+def eos_model(tok, prompts):
+    """A micro model in eval mode whose eos logit is 1.5x the logit of its most generated token, so that some
+    greedy responses stop at eos and others run to MAX_NEW tokens."""
+    model = fresh_model(tok).eval()
+    actor = HybridActor(model, tok)
+    with actor.rollout():
+        out = actor.generate(prompts, MAX_NEW, greedy=True)
+    top = Counter(t for row in out for t in row).most_common(1)[0][0]
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[top]
+    return model
+
+
+@pytest.fixture(scope="module")
+def alone(tok, prompts, eos_model):
+    """Greedy responses of eos_model generated for each prompt on its own (batch of 1, no padding)."""
+    actor = HybridActor(eos_model, tok)
+    with actor.rollout():
+        return [actor.generate([p], MAX_NEW, greedy=True)[0] for p in prompts]
+
+
+def param_ptrs(model):
+    return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+
+def param_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ transitions
+
+
+@pytest.mark.parametrize("was_training", [True, False])
+def test_rollout_reuses_the_training_weights(tok, prompts, was_training):
+    """Inside rollout the very same parameter objects/storage serve generation; the mode is restored after."""
+    model = fresh_model(tok)
+    model.train(was_training)
+    actor = HybridActor(model, tok)
+    ptrs, params = param_ptrs(model), dict(model.named_parameters())
+    n_params, n_bytes = sum(p.numel() for p in model.parameters()), param_bytes(model)
+    n_tensors = len(model.state_dict())
+    assert torch.is_grad_enabled()
+    with actor.rollout() as a:
+        assert a is actor and actor.in_rollout
+        assert not model.training and all(not m.training for m in model.modules())
+        assert not torch.is_grad_enabled()
+        assert param_ptrs(model) == ptrs
+        assert all(p is params[n] for n, p in model.named_parameters())
+        actor.generate(prompts[:3], 4, greedy=True)
+        assert param_ptrs(model) == ptrs
+        assert sum(p.numel() for p in model.parameters()) == n_params and param_bytes(model) == n_bytes
+        assert len(model.state_dict()) == n_tensors
+    assert not actor.in_rollout
+    assert torch.is_grad_enabled()
+    assert param_ptrs(model) == ptrs
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert model.training == was_training
+    assert all(m.training == was_training for m in model.modules())
+    assert set(actor.last_transition_s) == {"enter", "exit"}
+
+
+def test_rollout_restores_state_after_exception(tok):
+    """An exception inside rollout still restores train mode, autograd and in_rollout."""
+    model = fresh_model(tok).train()
+    actor = HybridActor(model, tok)
+    with pytest.raises(ValueError):
+        with actor.rollout():
+            raise ValueError("boom")
+    assert model.training and torch.is_grad_enabled() and not actor.in_rollout
+
+
+def test_rollout_toggles_activation_checkpointing(tok, prompts):
+    """With activation checkpointing on, rollout turns it off inside and back on after."""
+    model = fresh_model(tok).train()
+    actor = HybridActor(model, tok, activation_checkpointing=True)
+    assert model.is_gradient_checkpointing
+    with actor.rollout():
+        assert not model.is_gradient_checkpointing
+        actor.generate(prompts[:2], 3, greedy=True)
+    assert model.is_gradient_checkpointing and model.training
+
+
+def test_generate_outside_rollout_raises(tok, prompts):
+    """generate() outside `with actor.rollout():` raises RuntimeError (also after leaving a rollout)."""
+    actor = HybridActor(fresh_model(tok).eval(), tok)
+    with pytest.raises(RuntimeError, match="rollout"):
+        actor.generate(prompts[:1], 3, greedy=True)
+    with actor.rollout():
+        pass
+    with pytest.raises(RuntimeError, match="rollout"):
+        actor.generate(prompts[:1], 3, greedy=True)
+
+
+# ------------------------------------------------------------------------------------------------ generation
+
+
+def test_eos_model_gives_mixed_stops(tok, alone):
+    """Sanity check of the fixture: some greedy responses stop early at eos, some run to MAX_NEW tokens."""
+    out = alone
+    assert any(r[-1] == tok.eos_token_id and len(r) < MAX_NEW for r in out)
+    assert any(tok.eos_token_id not in r and len(r) == MAX_NEW for r in out)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 5])
+def test_greedy_batch_equals_one_by_one(tok, prompts, eos_model, alone, bs):
+    """Greedy generation of a left-padded batch equals generating each prompt alone; responses end at eos."""
+    actor = HybridActor(eos_model, tok)
+    eos = tok.eos_token_id
+    with actor.rollout():
+        for start in range(0, len(prompts), bs):
+            chunk = prompts[start:start + bs]
+            out = actor.generate(chunk, MAX_NEW, greedy=True)
+            assert len(out) == len(chunk)
+            assert out == alone[start:start + bs]
+    for r in alone:
+        assert 1 <= len(r) <= MAX_NEW
+        if eos in r:
+            assert r.index(eos) == len(r) - 1  # stops right after eos
+        else:
+            assert len(r) == MAX_NEW
+        assert tok.pad_token_id not in r
+
+
+def test_greedy_batch_reordered_prompts(tok, prompts, eos_model):
+    """Reversing the order of prompts in a batch reverses the responses (rows do not leak into each other)."""
+    actor = HybridActor(eos_model, tok)
+    with actor.rollout():
+        fwd = actor.generate(prompts[:5], MAX_NEW, greedy=True)
+        rev = actor.generate(prompts[:5][::-1], MAX_NEW, greedy=True)
+    assert rev == fwd[::-1]
+
+
+def test_top_k_1_sampling_equals_greedy(tok, prompts, eos_model):
+    """Sampling with top_k=1 gives the greedy responses whatever the seed."""
+    actor = HybridActor(eos_model, tok)
+    with actor.rollout():
+        greedy = actor.generate(prompts[:5], MAX_NEW, greedy=True)
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            assert actor.generate(prompts[:5], MAX_NEW, top_k=1) == greedy
+
+
+def test_sampling_reproducible_with_seed(tok, prompts):
+    """With a fixed torch.manual_seed sampling repeats exactly; another seed gives other samples."""
+    actor = HybridActor(fresh_model(tok).eval(), tok)
+    with actor.rollout():
+        torch.manual_seed(123)
+        a = actor.generate(prompts[:5], MAX_NEW, temperature=1.0)
+        torch.manual_seed(123)
+        b = actor.generate(prompts[:5], MAX_NEW, temperature=1.0)
+        torch.manual_seed(321)
+        c = actor.generate(prompts[:5], MAX_NEW, temperature=1.0)
+    assert a == b
+    assert a != c
+    for r in a:
+        eos = tok.eos_token_id
+        assert (eos in r and r.index(eos) == len(r) - 1) or len(r) == MAX_NEW
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def test_training_after_rollout_updates_the_rollout_weights(tok, prompts):
+    """After a rollout, loss.backward + optimizer.step change the same tensors the rollout generated with."""
+    model = fresh_model(tok).train()
+    actor = HybridActor(model, tok)
+    with actor.rollout():
+        rollout_ptrs = param_ptrs(model)
+        rollout_params = [p for p in model.parameters()]
+        responses = actor.generate(prompts[:4], 6, greedy=True)
+    assert model.training
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = pack(prompts[:4], responses, tok.pad_token_id)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def loss_fn():
+        lp = response_logprobs(model, batch)
+        return -(lp * batch.response_mask).sum() / batch.response_mask.sum()
+
+    loss0 = loss_fn()
+    assert loss0.requires_grad
+    loss0.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    opt.step()
+    opt.zero_grad()
+    assert param_ptrs(model) == rollout_ptrs
+    assert all(p is q for p, q in zip(model.parameters(), rollout_params))
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed
+    assert any("layers.0" in n for n in changed)
+    with torch.no_grad():
+        assert loss_fn() < loss0.detach()
+    # the next rollout sees the updated weights
+    with actor.rollout():
+        assert param_ptrs(model) == rollout_ptrs
+        assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
