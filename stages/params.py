@@ -60,7 +60,14 @@ class Data(_Section):
     heldout_fraction: float = Field(0.1, gt=0, lt=1)  # share of a user's file kept for evaluation
 
 
-class Optim(_Section):
+class Steps(_Section):
+    """What every training stage shares: step checkpoints for exact resume, and what to do on NaN/inf."""
+    checkpoint_every: int = Field(50, gt=0)   # optimizer steps (PPO: rollout iterations) between checkpoints
+    keep_checkpoints: int = Field(2, gt=0)    # the newest K are kept; older ones are deleted
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss, reward or advantage: stop, or skip the batch
+
+
+class Optim(Steps):
     epochs: int = Field(3, gt=0)
     batch_size: int = Field(32, gt=0)       # sequences per optimizer step
     micro_batch_size: int = Field(32, gt=0) # sequences per forward; batch_size / micro = grad accumulation
@@ -88,7 +95,8 @@ class Reward(Optim):
     init: Literal["sft"] = "sft"            # the RM starts from the SFT model
 
 
-class PPO(_Section):
+class PPO(Steps):
+    checkpoint_every: int = Field(10, gt=0)  # rollout iterations between checkpoints
     iterations: int = Field(40, gt=0)       # rollout batches
     rollout_batch_size: int = Field(64, gt=0)  # prompts per rollout
     minibatch_size: int = Field(32, gt=0)   # sequences per optimizer step
