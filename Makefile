@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements.lock
 
-.PHONY: setup run test lock clean
+.PHONY: setup run test serve lock clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ setup: $(STAMP)
 
 run: setup
 	$(VENV)/bin/hybrid-rlhf run params/tiny.yaml --summary-json artifacts/summary.json
+
+serve: setup
+	$(VENV)/bin/hybrid-rlhf serve
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

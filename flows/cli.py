@@ -41,11 +41,13 @@ def summary_table(summary: dict) -> str:
 
 
 class _ShortInputErrors(logging.Filter):
-    """Prefect logs a failing task's traceback; for a user's input error one line says it all."""
+    """Prefect logs a failing task's traceback; for a user's input error or a requested stop one line
+    says it all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from hybridcore.errors import InputError
-        if record.exc_info and isinstance(record.exc_info[1], InputError):
+        from hybridcore.interrupts import Interrupted
+        if record.exc_info and isinstance(record.exc_info[1], (InputError, Interrupted)):
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -54,21 +56,56 @@ def cmd_run(args) -> int:
     from stages.checks import preflight
     from stages.params import load_params, parse_sets
 
+    from hybridcore.interrupts import install_handlers
+
     overrides = parse_sets(args.set or [])
+    if args.no_cache:
+        args.force_stage = ["sft", "reward", "ppo", "evaluate"]
     params = load_params(args.params, overrides)
     preflight(params)
-    from flows.pipeline import rlhf  # Prefect, torch and MLflow load only now that the inputs are known good
-    if not args.debug:
-        for handler in logging.getLogger("prefect").handlers + logging.getLogger().handlers:
-            handler.addFilter(_ShortInputErrors())
+    from flows.server import api_server
     t0 = time.time()
-    summary = rlhf(preset=args.params, overrides=overrides or None)
+    with api_server():
+        from flows.pipeline import rlhf  # Prefect, torch and MLflow load only once the inputs are known good
+        if not args.debug:
+            for handler in logging.getLogger("prefect").handlers + logging.getLogger().handlers:
+                handler.addFilter(_ShortInputErrors())
+        install_handlers()
+        summary = rlhf(preset=args.params, overrides=overrides or None, force=args.force_stage or None)
     print(summary_table(summary))
     print(f"wall time: {time.time() - t0:.1f} s")
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_ui(args) -> int:
+    from flows.ui import serve
+    return serve(Path(args.store), args.port)
+
+
+def cmd_compare(args) -> int:
+    from flows.compare import compare
+    print(compare(Path(args.store), args.run_a, args.run_b, HEADLINE, all_metrics=args.all))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from flows import cache
+    root = Path(args.artifacts_dir)
+    if args.action == "ls":
+        print(cache.ls(root))
+        return 0
+    removed = cache.gc(root, args.older_than_days, args.partial, args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print("\n".join(f"{verb} {p}" for p in removed) or "nothing to remove")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from flows.serve import serve
+    return serve(args.port)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,8 +115,35 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("params", help="a params YAML file, or a preset name in params/ (e.g. tiny)")
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override one field (repeatable)")
     run.add_argument("--summary-json", metavar="PATH", help="write stages' artifacts, keys, cache status, metrics")
+    run.add_argument("--force-stage", action="append", metavar="STAGE", choices=["sft", "reward", "ppo", "evaluate"],
+                     help="run this stage even if its artifact is cached (repeatable)")
+    run.add_argument("--no-cache", action="store_true", help="run every stage, ignoring cached artifacts")
     run.add_argument("--debug", action="store_true", help="show full tracebacks")
     run.set_defaults(fn=cmd_run)
+    ui = sub.add_parser("ui", help="serve the MLflow UI over mlruns/ on 127.0.0.1 (Ctrl-C stops it)")
+    ui.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (0: any free one; default 5000)")
+    ui.add_argument("--store", default="mlruns", help="the folder holding mlflow.db and artifacts/ (default mlruns)")
+    ui.add_argument("--debug", action="store_true", help="show full tracebacks")
+    ui.set_defaults(fn=cmd_ui)
+    cmp = sub.add_parser("compare", help="params that differ and headline metrics of two pipeline runs")
+    cmp.add_argument("run_a", metavar="RUN_A", help="an MLflow pipeline (parent) run id")
+    cmp.add_argument("run_b", metavar="RUN_B", help="another one")
+    cmp.add_argument("--store", default="mlruns", help="the folder holding mlflow.db (default mlruns)")
+    cmp.add_argument("--all", action="store_true", help="every metric of the parent runs, not only the headline")
+    cmp.add_argument("--debug", action="store_true", help="show full tracebacks")
+    cmp.set_defaults(fn=cmd_compare)
+    cache = sub.add_parser("cache", help="list or clean the artifact store")
+    cache.add_argument("action", choices=["ls", "gc"])
+    cache.add_argument("--artifacts-dir", default="artifacts", help="the store (pipeline.artifacts_dir)")
+    cache.add_argument("--older-than-days", type=float, help="gc: also remove verified artifacts older than this")
+    cache.add_argument("--partial", action="store_true", help="gc: also remove interrupted runs' checkpoints")
+    cache.add_argument("--dry-run", action="store_true", help="gc: only list what would go")
+    cache.add_argument("--debug", action="store_true", help="show full tracebacks")
+    cache.set_defaults(fn=cmd_cache)
+    serve = sub.add_parser("serve", help="Prefect server on 127.0.0.1 + one deployment per params preset")
+    serve.add_argument("--port", type=int, default=4200)
+    serve.add_argument("--debug", action="store_true", help="show full tracebacks")
+    serve.set_defaults(fn=cmd_serve)
     return ap
 
 
@@ -87,6 +151,7 @@ def main(argv=None) -> int:
     settings.apply()
     args = parser().parse_args(argv)
     from hybridcore.errors import InputError
+    from hybridcore.interrupts import Interrupted
     try:
         return args.fn(args)
     except InputError as e:
@@ -94,8 +159,8 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted) as e:
+        print(f"interrupted: {e or 'by the user'}", file=sys.stderr)
         return 130
     except Exception as e:  # anything else is our bug or the machine's: say what, and how to see more
         if args.debug:

@@ -6,7 +6,7 @@ and a task that runs finds a verified artifact before it trains anything.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from prefect import flow, task
 from prefect.cache_policies import CachePolicy
@@ -32,25 +32,28 @@ def _sink(params: Params, run_id: Optional[str]):
     from mlflow import MlflowClient
 
     from flows.tracking import _uri
-    return StageRun(MlflowClient(tracking_uri=_uri(params.tracking.uri)), run_id)
+    return StageRun(MlflowClient(tracking_uri=_uri(params.tracking.uri)), run_id, measure=True)
 
 
 @task(cache_policy=StageKey(), persist_result=True, result_serializer="json", task_run_name="{stage}")
-def stage_task(stage: str, params: dict, keys: dict, tracking_run: Optional[str] = None) -> dict:
+def stage_task(stage: str, params: dict, keys: dict, tracking_run: Optional[str] = None, force: bool = False) -> dict:
     p = Params.model_validate(params)
     sink = _sink(p, tracking_run)
-    result = run_stage(p, stage, keys, sink, run_id=tracking_run)
-    if isinstance(sink, StageRun):
-        sink.flush()
+    try:
+        result = run_stage(p, stage, keys, sink, run_id=tracking_run, force=force)
+    finally:  # also for a failed or interrupted stage: its curves so far are kept
+        if isinstance(sink, StageRun):
+            sink.close()
     return result.as_dict()
 
 
 def _run(stage: str, args: dict, params: Params, keys: dict) -> tuple[StageResult, bool]:
-    state = stage_task(**args, return_state=True)
+    task_fn = stage_task.with_options(refresh_cache=True) if args["force"] else stage_task
+    state = task_fn(**args, return_state=True)
     out = state.result()
     hit = cached_result(params, stage, keys[stage])
     if hit is None:  # Prefect remembered a result whose artifact is gone or corrupt: rebuild it
-        state = stage_task.with_options(refresh_cache=True)(**args, return_state=True)
+        state = stage_task.with_options(refresh_cache=True)(**{**args, "force": True}, return_state=True)
         out = state.result()
         hit = cached_result(params, stage, keys[stage])
         if hit is None:
@@ -60,9 +63,11 @@ def _run(stage: str, args: dict, params: Params, keys: dict) -> tuple[StageResul
 
 
 @flow(name="rlhf")
-def rlhf(preset: str = "tiny", overrides: Optional[Overrides] = None) -> dict:
+def rlhf(preset: str = "tiny", overrides: Optional[Overrides] = None,
+         force: Optional[list[Literal["sft", "reward", "ppo", "evaluate"]]] = None) -> dict:
     """SFT -> reward model -> PPO -> evaluation on the params `preset` (a name in params/ or a YAML path)
-    with `overrides` deep-merged onto it. Returns the run summary (see --summary-json in the README)."""
+    with `overrides` deep-merged onto it; stages named in `force` run even when cached. Returns the run
+    summary (see --summary-json in the README)."""
     if isinstance(overrides, dict):
         overrides = Overrides.model_validate(overrides)
     params = load_params(preset, overrides.model_dump(exclude_none=True) if overrides else None)
@@ -76,7 +81,7 @@ def rlhf(preset: str = "tiny", overrides: Optional[Overrides] = None) -> dict:
         for stage in stage_list(params):
             sink = tracker.start_stage(stage, keys[stage], stage_params(params, stage))
             args = dict(stage=stage, params=params.model_dump(mode="json"), keys=keys,
-                        tracking_run=getattr(sink, "run_id", None))
+                        tracking_run=getattr(sink, "run_id", None), force=stage in (force or []))
             result, _ = _run(stage, args, params, keys)
             tracker.end_stage(sink, result)
             sink = None

@@ -1,9 +1,10 @@
 """The hybrid actor: one set of weights serves both training and rollout.
 
-Entering rollout flips the module to eval mode, turns activation checkpointing off and autograd off,
-and generates with the very parameters the optimizer updates; no second copy is ever made. Leaving
-rollout restores the training mode. Later layers (ZeRO gathering, tensor-parallel regrouping, a static
-KV cache) hook into the same two transitions.
+Entering rollout flips the module to eval mode, turns activation checkpointing and autograd off, may move
+the optimizer's states to CPU, and generates with the very parameters the optimizer updates (the rollout
+backend keeps no copy of them). Leaving rollout frees the backend's KV cache and restores training: the
+states come back and the mode is restored. Each transition's time and memory change are recorded in
+`last_transition_s` / `last_transition_bytes` so stages can log them.
 """
 from __future__ import annotations
 
@@ -11,40 +12,60 @@ import contextlib
 import time
 
 import torch
-from transformers import GenerationConfig
 
 from hybridcore.batch import left_pad
 from hybridcore.models import set_activation_checkpointing
+from hybridcore.rollout import make_backend
 
 
 class HybridActor:
-    def __init__(self, model, tokenizer, activation_checkpointing: bool = False):
+    def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
+                 optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False):
+        """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
+        baseline). offload_optimizer moves `optimizer`'s states to CPU for the length of each rollout."""
+        if offload_optimizer and optimizer is None:
+            raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.model, self.tokenizer = model, tokenizer
         self.activation_checkpointing = activation_checkpointing
         set_activation_checkpointing(model, activation_checkpointing)
+        self.backend = make_backend(backend, model)
+        self.optimizer, self.offload_optimizer = optimizer, offload_optimizer
         self.in_rollout = False
         self.last_transition_s: dict[str, float] = {}
+        self.last_transition_bytes: dict[str, int] = {}
+        self._host_states: dict[tuple[int, str], torch.Tensor] = {}  # pinned CPU copies, reused every rollout
+        self._offloaded: list[tuple[dict, str, torch.device]] = []
 
     @contextlib.contextmanager
     def rollout(self):
         """Serve generation from the training weights, then hand them back to training."""
-        t0 = time.perf_counter()
+        start = self._mark()
         was_training = self.model.training
         self.model.eval()
         if self.activation_checkpointing:
             set_activation_checkpointing(self.model, False)
+        if self.offload_optimizer:
+            self._offload_optimizer_states()
+        self._gather_weights()
+        self.backend.enter()
         self.in_rollout = True
-        self.last_transition_s["enter"] = time.perf_counter() - t0
+        self._record("enter", start)
         try:
             with torch.no_grad():
                 yield self
         finally:
-            t1 = time.perf_counter()
+            start = self._mark()
+            kv_bytes = self.backend.kv_cache_bytes
             self.in_rollout = False
+            self.backend.exit()
+            self._release_weights()
+            if self.offload_optimizer:
+                self._restore_optimizer_states()
             if self.activation_checkpointing:
                 set_activation_checkpointing(self.model, True)
             self.model.train(was_training)
-            self.last_transition_s["exit"] = time.perf_counter() - t1
+            self._record("exit", start)
+            self.last_transition_bytes["kv_cache"] = kv_bytes
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[list[int]]:
@@ -54,17 +75,67 @@ class HybridActor:
         tok = self.tokenizer
         ids, mask = left_pad(prompts, tok.pad_token_id)
         device = next(self.model.parameters()).device
-        # top_k=0 explicitly: None would let generate() fill in its global default of 50, and rollouts would
-        # then come from a truncated distribution while PPO scores them under the full softmax.
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=temperature,
-                               top_k=top_k, top_p=top_p, pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.eos_token_id, bos_token_id=None)
-        if greedy:
-            cfg.temperature, cfg.top_k, cfg.top_p = None, None, None
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg)
+        out = self.backend.generate(ids.to(device), mask.to(device), max_new_tokens, eos_id=tok.eos_token_id,
+                                    pad_id=tok.pad_token_id, greedy=greedy, temperature=temperature, top_k=top_k,
+                                    top_p=top_p)
         responses = []
-        for row in out[:, ids.shape[1]:].tolist():
+        for row in out.tolist():
             if tok.eos_token_id in row:
                 row = row[: row.index(tok.eos_token_id) + 1]
             responses.append(row)
         return responses
+
+    # -------------------------------------------------------------------------------- layout hooks
+
+    def _gather_weights(self) -> None:
+        """Where the training layout becomes the rollout layout, in place. Today weights are whole tensors on
+        one device and nothing moves. ZeRO-3 gathers its partitioned parameters here (and `_release_weights`
+        re-partitions them); tensor parallelism regroups training shards into the rollout's tp size here.
+        Both must leave `self.model`'s parameters as the tensors the backend reads, so no copy is kept."""
+
+    def _release_weights(self) -> None:
+        """The inverse of `_gather_weights`, run after the backend has freed its cache."""
+
+    # -------------------------------------------------------------------------------- optimizer offload
+
+    def _offload_optimizer_states(self) -> None:
+        """Copy every optimizer state tensor to (pinned, reused) CPU memory and drop the device copy, so the
+        KV cache can use that memory during rollout."""
+        cuda = False
+        for state in self.optimizer.state.values():
+            for k, v in list(state.items()):
+                if not torch.is_tensor(v):
+                    continue
+                key = (id(state), k)
+                host = self._host_states.get(key)
+                if host is None or host.shape != v.shape or host.dtype != v.dtype:
+                    host = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+                    self._host_states[key] = host
+                host.copy_(v, non_blocking=v.is_cuda)
+                cuda |= v.is_cuda
+                self._offloaded.append((state, k, v.device))
+                state[k] = host
+        if cuda:
+            torch.cuda.synchronize()  # the host copies are complete before anyone reads them
+
+    def _restore_optimizer_states(self) -> None:
+        for state, k, device in self._offloaded:
+            host = state[k]
+            state[k] = torch.empty(host.shape, dtype=host.dtype, device=device).copy_(host, non_blocking=True)
+        self._offloaded = []
+
+    # -------------------------------------------------------------------------------- measurement
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _mark(self) -> tuple[float, int]:
+        if self._device().type == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter(), torch.cuda.memory_allocated()
+        return time.perf_counter(), 0
+
+    def _record(self, name: str, start: tuple[float, int]) -> None:
+        t, m = self._mark()
+        self.last_transition_s[name] = t - start[0]
+        self.last_transition_bytes[name] = m - start[1]

@@ -6,6 +6,8 @@ an artifact, so a crash can never hand a half-written model to the next stage.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 MANIFEST = "manifest.json"
+CHECKPOINTS = "checkpoints"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -27,7 +30,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def file_hashes(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MANIFEST and "checkpoints" not in p.relative_to(folder).parts}
+            if p.is_file() and p.name != MANIFEST and CHECKPOINTS not in p.relative_to(folder).parts}
 
 
 def artifact_dir(root: str | Path, stage: str, key: str) -> Path:
@@ -51,16 +54,45 @@ def read_verified(folder: Path) -> Optional[dict]:
 
 
 def staging_dir(root: str | Path, stage: str, key: str) -> Path:
-    """A fresh `<key>.partial/` folder to write the stage's output into."""
+    """The `<key>.partial/` folder a stage writes into. Step checkpoints of an earlier, interrupted attempt
+    are kept (the stage resumes from them); anything else there is a half-written output and goes."""
     tmp = artifact_dir(root, stage, key).with_name(f"{key}.partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for p in tmp.iterdir():
+        if p.name != CHECKPOINTS:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     return tmp
 
 
+@contextlib.contextmanager
+def stage_lock(root: str | Path, stage: str, key: str, wait_s: float = float("inf"), on_wait=None):
+    """One writer per stage key across processes: `<key>.lock` held with flock, which the kernel releases
+    when its holder dies, so a killed run never leaves a stale lock."""
+    path = artifact_dir(root, stage, key).with_name(f"{key}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        t0, told = time.time(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() - t0 > wait_s:
+                    raise TimeoutError(f"{stage} artifact {key} is being built by another run (lock {path})") from None
+                if not told and on_wait is not None:
+                    on_wait(path)
+                    told = True
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def publish(tmp: Path, manifest: dict) -> Path:
-    """Write the manifest (with every file's hash) and atomically rename `<key>.partial/` to `<key>/`."""
+    """Write the manifest (with every file's hash) and atomically rename `<key>.partial/` to `<key>/`.
+    Step checkpoints are dropped first: the artifact is the finished model, not the training state."""
+    shutil.rmtree(tmp / CHECKPOINTS, ignore_errors=True)
     manifest = dict(manifest, files=file_hashes(tmp), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     part = tmp / (MANIFEST + ".tmp")
     part.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))

@@ -6,10 +6,13 @@ Every model handed between stages is an HF-format folder (safetensors + config +
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
+import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 from transformers.utils import logging as hf_logging
@@ -52,20 +55,130 @@ def build_preset(name: str, tokenizer, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def check_model_folder(path: str, field: str = "model.path") -> Path:
-    """A model folder a user hands in: config.json and safetensors weights; pickles are refused."""
+def read_config(path: str | Path, field: str = "model.path") -> dict:
+    """config.json of a model folder as a dict; not JSON, or not an object, is an InputError."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise InputError(f"{field}: {path} has no config.json (expected an HF model folder)")
+    try:
+        config = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{field}: {f} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         f"expected a JSON object") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{field}: {f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         f"expected a JSON object") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{field}: {f} holds a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def _weights(p: Path, field: str, allow_pickle: bool) -> list[Path]:
+    """The folder's weight files: safetensors (headers checked, shards of an index present), or pickles
+    when explicitly allowed."""
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            if not all(isinstance(s, str) for s in shards):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise InputError(f"{field}: {index} is not a valid safetensors index (expected JSON with a "
+                             f"'weight_map' object)") from None
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            raise InputError(f"{field}: {p} lacks shard(s) {', '.join(missing[:3])} listed in {index.name} "
+                             f"(expected every shard of the index)")
+    files = sorted(p.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt"):
+                    pass
+            except Exception as e:  # SafetensorError derives from Exception only
+                raise InputError(f"{field}: {f} is not a readable safetensors file ({str(e)[:200]}); "
+                                 f"expected weights saved with safetensors") from None
+        return files
+    pickles = sorted(q for q in p.iterdir() if q.suffix in PICKLE_SUFFIXES and q.is_file())
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise InputError(f"{field}: {p} has only pickled weights ({', '.join(q.name for q in pickles)}); loading "
+                         f"them could run code: convert them to safetensors (or set model.allow_pickle: true "
+                         f"if you trust the folder)")
+    raise InputError(f"{field}: {p} has no *.safetensors weights (expected model.safetensors or shards with "
+                     f"model.safetensors.index.json)")
+
+
+def check_model_folder(path: str, field: str = "model.path", allow_pickle: bool = False,
+                       trust_remote_code: bool = False) -> Path:
+    """A model folder a user hands in: a JSON config.json and safetensors weights whose headers read;
+    pickles are refused unless `allow_pickle`, and a model that needs the folder's own Python code unless
+    `trust_remote_code` (a model_type transformers knows loads with transformers' code, auto_map or not).
+    Reads headers only, never the weights."""
     p = Path(path)
     if not p.is_dir():
         raise InputError(f"{field}: folder {path} not found (expected a local HF model folder)")
-    if not (p / "config.json").is_file():
-        raise InputError(f"{field}: {path} has no config.json (expected an HF model folder)")
-    if not any(p.glob("*.safetensors")):
-        pickles = sorted(q.name for q in p.iterdir() if q.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise InputError(f"{field}: {path} has only pickled weights ({', '.join(pickles)}); loading them "
-                             f"could run code: convert them to safetensors")
-        raise InputError(f"{field}: {path} has no *.safetensors weights")
+    config = read_config(p, field)
+    _weights(p, field, allow_pickle)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise InputError(f"{field}: {p / 'config.json'} has no model_type (found keys: "
+                         f"{', '.join(sorted(map(str, config))[:8]) or 'none'}); expected an HF model config")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES and not trust_remote_code:
+        if config.get("auto_map"):
+            raise InputError(f"{field}: {p} needs its own Python code (model_type '{model_type}', auto_map in "
+                             f"config.json), which is refused by default; set model.trust_remote_code: true "
+                             f"only if you trust the folder")
+        raise InputError(f"{field}: {p / 'config.json'} has model_type '{model_type}', which transformers "
+                         f"{transformers.__version__} does not know (expected a supported architecture)")
     return p
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def config_limits(config: dict) -> tuple[Optional[int], Optional[int]]:
+    """(vocab_size, max positions) of a config.json dict; a multimodal config's text_config when it has one."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab = text.get("vocab_size")
+    positions = next((text[k] for k in POSITION_KEYS if isinstance(text.get(k), int)), None)
+    return (vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None), positions
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def weight_files(path: str, allow_pickle: bool = False) -> list[Path]:
+    """The weight files check_model_folder accepted (for size estimates)."""
+    return _weights(Path(path), "model.path", allow_pickle)
+
+
+def param_count_of_folder(path: str, allow_pickle: bool = False) -> int:
+    """Number of parameters from the safetensors headers (no weights read); pickles: bytes / 2 as a guess."""
+    from safetensors import safe_open
+    files = weight_files(path, allow_pickle)
+    if files[0].suffix != ".safetensors":
+        return sum(f.stat().st_size for f in files) // 2
+    n = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                n += math.prod(st.get_slice(k).get_shape())
+    return n
+
+
+def preset_param_count(name: str) -> int:
+    """Parameters of a built-in preset (vocab at its tokenizer size, rounded as build_preset does)."""
+    s = PRESETS[name]
+    h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    kv = h * s["num_key_value_heads"] // s["num_attention_heads"]
+    vocab = -(-s["tokenizer_vocab"] // 32) * 32
+    return 2 * vocab * h + h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
 
 
 @contextlib.contextmanager
@@ -79,33 +192,39 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def _kwargs(precision: str, attention: str, trust_remote_code: bool) -> dict:
+def _kwargs(precision: str, attention: str, trust_remote_code: bool, path: str) -> dict:
+    # use_safetensors=True makes from_pretrained refuse pickles itself; False only when check_model_folder
+    # accepted pickles (allow_pickle) because the folder has no safetensors.
     return dict(dtype=DTYPES[precision], attn_implementation=attention, trust_remote_code=trust_remote_code,
-                use_safetensors=True)
+                use_safetensors=any(Path(path).glob("*.safetensors")))
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
 
 
 def load_causal_lm(path: str, precision: str = "fp32", attention: str = "sdpa", trust_remote_code: bool = False,
-                   field: str = "model.path"):
-    check_model_folder(path, field)
+                   field: str = "model.path", allow_pickle: bool = False):
+    check_model_folder(path, field, allow_pickle, trust_remote_code)
     try:
         with _quiet_transformers():
-            return AutoModelForCausalLM.from_pretrained(path, **_kwargs(precision, attention, trust_remote_code))
+            return AutoModelForCausalLM.from_pretrained(path, **_kwargs(precision, attention, trust_remote_code, path))
     except (OSError, ValueError) as e:
-        raise InputError(f"{field}: could not load {path} as a causal LM ({str(e).splitlines()[0][:300]})") from None
+        raise InputError(f"{field}: could not load {path} as a causal LM ({_first_line(e)})") from None
 
 
 def load_sequence_scorer(path: str, precision: str = "fp32", attention: str = "sdpa",
                          trust_remote_code: bool = False, pad_token_id: Optional[int] = None,
-                         field: str = "model.path"):
+                         field: str = "model.path", allow_pickle: bool = False):
     """An AutoModelForSequenceClassification with one label: a reward model, or a critic's starting point
     (its `score` head, applied per token, gives values)."""
-    check_model_folder(path, field)
+    check_model_folder(path, field, allow_pickle, trust_remote_code)
     try:
         with _quiet_transformers():
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, **_kwargs(precision, attention, trust_remote_code))
+                path, num_labels=1, **_kwargs(precision, attention, trust_remote_code, path))
     except (OSError, ValueError) as e:
-        raise InputError(f"{field}: could not load {path} as a sequence scorer ({str(e).splitlines()[0][:300]})") from None
+        raise InputError(f"{field}: could not load {path} as a sequence scorer ({_first_line(e)})") from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -117,8 +236,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, field: str = "mod
         raise InputError(f"{field}: folder {path} not found (expected a tokenizer folder)")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise InputError(f"{field}: could not load a tokenizer from {path} ({str(e).splitlines()[0][:300]})") from None
+    except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed tokenizer.json
+        raise InputError(f"{field}: could not load a tokenizer from {path} ({type(e).__name__}: {_first_line(e)}); "
+                         f"expected a transformers tokenizer folder (tokenizer.json, tokenizer_config.json)") from None
     if tok.eos_token_id is None:
         raise InputError(f"{field}: the tokenizer in {path} has no eos token (responses could never end)")
     if tok.pad_token_id is None:  # many base tokenizers have none; our batches carry explicit masks

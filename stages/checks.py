@@ -1,21 +1,194 @@
-"""Checks that run before any heavy work: a mistake in the inputs should cost seconds, not a stage."""
+"""Checks that run before any heavy work: a mistake in the inputs should cost seconds, not a stage.
+
+`preflight` looks at everything a run will read or write without training anything: the artifact folder
+and its disk, the model folder (config, safetensors headers, no code to run), its tokenizer against the
+embedding size, the context length against max_seq_len and max_new_tokens, users' data files (format,
+columns, enough rows for one batch) and, when the tokenizer is known up front, every row's token length.
+Each problem is an InputError naming the field or file, what was found and what was expected.
+"""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Optional
 
 from hybridcore.errors import InputError
-from hybridcore.models import check_model_folder
-from stages import data
-from stages.params import Params
+from stages.params import Params, stage_list
+
+# hybridcore.models (torch, transformers) and stages.data (datasets) are imported inside the checks that use
+# them: `from stages.checks import preflight` stays cheap, so a typo in the params costs well under a second.
+
+DISK_FLOOR = 256 * 2**20   # bytes; below this even a preset run is clearly out of room
+DISK_FACTOR = 4            # the three stage models plus at least one checkpoint: a lower bound, not a peak
+BATCHES = (("sft", "sft", "batch_size", "n_sft"), ("reward", "preferences", "batch_size", "n_preferences"),
+           ("ppo", "prompts", "rollout_batch_size", "n_prompts"))
 
 
 def preflight(p: Params) -> None:
-    """Model and tokenizer folders exist and hold safetensors; users' data files load with their columns."""
-    if p.model.path is not None:
-        check_model_folder(p.model.path, "model.path")
-    if p.model.tokenizer is not None and not Path(p.model.tokenizer).is_dir():
-        raise InputError(f"model.tokenizer: folder {p.model.tokenizer} not found (expected a tokenizer folder)")
-    for kind in data.COLUMNS:
-        path = getattr(p.data, kind).path
-        if path is not None:
-            data.read_table(path, kind)
+    """Model and tokenizer folders, context lengths, disk space, users' data files and their lengths."""
+    from stages import data
+    root = _artifacts_root(p)
+    tok, positions, where = _model(p)
+    _context(p, positions, where)
+    _disk(p, root)
+    tables = {kind: data.read_table(getattr(p.data, kind).path, kind)
+              for kind in data.COLUMNS if getattr(p.data, kind).path is not None}
+    _batches(p, tables)
+    if tok is not None:
+        _lengths(p, tok, tables, positions, where)
+
+
+def _artifacts_root(p: Params) -> Path:
+    """The nearest existing folder at or above pipeline.artifacts_dir, which must be a writable folder."""
+    root = Path(p.pipeline.artifacts_dir)
+    try:
+        if "\0" in str(root):
+            raise ValueError("it holds a NUL byte")
+        os.stat(root)
+    except (FileNotFoundError, NotADirectoryError):  # not there yet, or below a file: said more clearly below
+        pass
+    except (OSError, ValueError) as e:  # a NUL byte, a name longer than the file system allows
+        raise InputError(f"pipeline.artifacts_dir: {_short(str(root))} is not a usable path "
+                         f"({getattr(e, 'strerror', None) or e}); expected a folder path") from None
+    if root.exists() and not root.is_dir():
+        raise InputError(f"pipeline.artifacts_dir: {root} is a file (expected a folder, or a path to create one)")
+    anc = root.absolute()
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"pipeline.artifacts_dir: {root} cannot be created: {anc} is a file (expected a folder)")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"pipeline.artifacts_dir: {anc} is not writable (expected a folder this user can write)")
+    return anc
+
+
+def _model(p: Params) -> tuple[Optional[object], Optional[int], str]:
+    """(tokenizer when known before SFT, the model's positions, where that number comes from)."""
+    from hybridcore.models import (PRESETS, check_model_folder, config_limits, has_tokenizer_files, load_tokenizer,
+                                   read_config)
+    m = p.model
+    if m.path is None:
+        tok = load_tokenizer(m.tokenizer, m.trust_remote_code) if m.tokenizer else None
+        return tok, PRESETS[m.preset]["max_position_embeddings"], f"preset {m.preset}"
+    check_model_folder(m.path, "model.path", m.allow_pickle, m.trust_remote_code)
+    vocab, positions = config_limits(read_config(m.path))
+    where = f"model.path {Path(m.path) / 'config.json'}"
+    if m.tokenizer is None and not has_tokenizer_files(m.path):
+        raise InputError(f"model.path: {m.path} has no tokenizer files (expected tokenizer.json or "
+                         f"tokenizer_config.json in the folder, or model.tokenizer naming a tokenizer folder)")
+    tok_path, tok_field = (m.tokenizer, "model.tokenizer") if m.tokenizer else (m.path, "model.path")
+    tok = load_tokenizer(tok_path, m.trust_remote_code, tok_field)
+    if vocab is not None and len(tok) > vocab:
+        raise InputError(f"{tok_field}: the tokenizer in {tok_path} has {len(tok)} tokens but {where} has "
+                         f"vocab_size {vocab} (expected the model's own tokenizer, no larger than its embedding)")
+    return tok, positions, where
+
+
+def _context(p: Params, positions: Optional[int], where: str) -> None:
+    """max_seq_len within the model's positions; max_new_tokens leaves room for a prompt."""
+    if positions is None:
+        return
+    run = stage_list(p)
+    for stage in ("sft", "reward"):
+        n = getattr(p, stage).max_seq_len
+        if stage in run and n > positions:
+            raise InputError(f"{stage}.max_seq_len ({n}) is longer than the model's context ({positions} positions, "
+                             f"{where}); expected at most {positions}")
+    for stage in ("ppo", "evaluate"):
+        n = getattr(p, stage).max_new_tokens
+        if stage in run and n >= positions:
+            raise InputError(f"{stage}.max_new_tokens ({n}) leaves no room for a prompt in the model's context "
+                             f"({positions} positions, {where}); expected fewer than {positions}")
+
+
+def _weights_bytes(p: Params) -> int:
+    from hybridcore.models import param_count_of_folder, preset_param_count
+    precisions = {p.engine.precision} | {getattr(p.engine.roles, r).precision or p.engine.precision
+                                         for r in ("actor", "critic", "reference", "reward")}
+    per_param = 4 if "fp32" in precisions else 2
+    n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
+         else preset_param_count(p.model.preset))
+    return n * per_param
+
+
+def _all_cached(p: Params) -> bool:
+    from hybridcore.artifacts import MANIFEST, artifact_dir
+    from stages.keys import stage_keys
+    keys = stage_keys(p)
+    return all((artifact_dir(p.pipeline.artifacts_dir, s, keys[s]) / MANIFEST).is_file() for s in stage_list(p))
+
+
+def _disk(p: Params, root: Path) -> None:
+    """Refuse only when the disk is clearly too small: under 4x the weights (at the training precision) or
+    a fixed floor. A run whose every stage is already in the store writes nothing and is let through."""
+    weights = _weights_bytes(p)
+    need = max(DISK_FLOOR, DISK_FACTOR * weights)
+    free = shutil.disk_usage(root).free
+    if free >= need or _all_cached(p):
+        return
+    raise InputError(f"pipeline.artifacts_dir: {p.pipeline.artifacts_dir} has {_size(free)} free on its disk; "
+                     f"expected at least {_size(need)} for this run ({DISK_FACTOR} x {_size(weights)} of weights, "
+                     f"floor {_size(DISK_FLOOR)}): free space or point pipeline.artifacts_dir at a larger disk")
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return repr(text) if len(text) <= limit else repr(text[: limit - 3]) + "..."
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _batches(p: Params, tables: dict) -> None:
+    """Every training stage that will run has at least one full batch of training rows."""
+    from stages import data
+    run = stage_list(p)
+    for stage, kind, size_name, syn_name in BATCHES:
+        if stage not in run:
+            continue
+        size, what = getattr(getattr(p, stage), size_name), f"{stage}.{size_name}"
+        if kind not in tables:
+            have = getattr(p.data.synthetic, syn_name)
+            if have < size:
+                raise InputError(f"data.synthetic.{syn_name} ({have}) is smaller than {what} ({size}); expected "
+                                 f"at least one full batch of built-in examples")
+            continue
+        path, n = getattr(p.data, kind).path, len(tables[kind])
+        train, held = data.split_sizes(n, p.data.heldout_fraction)
+        if train < size:
+            raise InputError(f"data.{kind}.path: {path} has {n} row(s), {max(train, 0)} for training after "
+                             f"holding out {held} (data.heldout_fraction={p.data.heldout_fraction}); expected at "
+                             f"least {what}={size} training rows (one full batch)")
+
+
+def _lengths(p: Params, tok, tables: dict, positions: Optional[int], where: str) -> None:
+    """With the tokenizer known before SFT, every user row's token length against what its stage allows
+    (the stages check the same again; for a preset's tokenizer, trained in SFT, only they can)."""
+    run = stage_list(p)
+
+    def ids(texts):
+        return tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    if "sft" in tables:
+        ds, limit = tables["sft"], p.sft.max_seq_len
+        for i, (a, b) in enumerate(zip(ids(ds["prompt"]), ids(ds["response"])), 1):
+            if len(a) + len(b) + 1 > limit:
+                raise InputError(f"data.sft.path: {p.data.sft.path} row {i}: prompt + response + eos are "
+                                 f"{len(a) + len(b) + 1} tokens, over sft.max_seq_len={limit} (expected at most "
+                                 f"{limit}: shorten the row or raise sft.max_seq_len)")
+    if "preferences" in tables and "reward" in run:
+        ds, limit = tables["preferences"], p.reward.max_seq_len
+        for i, (a, c, r) in enumerate(zip(ids(ds["prompt"]), ids(ds["chosen"]), ids(ds["rejected"])), 1):
+            if len(a) + max(len(c), len(r)) + 1 > limit:
+                raise InputError(f"data.preferences.path: {p.data.preferences.path} row {i}: prompt + the longer "
+                                 f"response + eos are {len(a) + max(len(c), len(r)) + 1} tokens, over "
+                                 f"reward.max_seq_len={limit} (expected at most {limit})")
+    new = max([getattr(p, s).max_new_tokens for s in ("ppo", "evaluate") if s in run], default=None)
+    if "prompts" in tables and new is not None and positions is not None:
+        name = "ppo.max_new_tokens" if "ppo" in run and p.ppo.max_new_tokens == new else "evaluate.max_new_tokens"
+        for i, a in enumerate(ids(tables["prompts"]["prompt"]), 1):
+            if len(a) + new > positions:
+                raise InputError(f"data.prompts.path: {p.data.prompts.path} row {i}: the prompt is {len(a)} tokens; "
+                                 f"with {name}={new} that is {len(a) + new}, over the model's context ({positions} "
+                                 f"positions, {where}); expected prompt + {name} <= {positions}")

@@ -1,12 +1,15 @@
 """What the stages share: the base model a run starts from, and step-loop bookkeeping."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from tqdm.auto import tqdm
 
+from hybridcore.checkpoint import Checkpointer
 from hybridcore.errors import InputError
+from hybridcore.interrupts import Interrupted, stop_requested
 from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
                                load_tokenizer, train_tokenizer)
 from stages import data
@@ -18,7 +21,7 @@ def base_model(p):
     if p.model.path is not None:
         tok = load_tokenizer(p.model.tokenizer or p.model.path, p.model.trust_remote_code,
                              "model.tokenizer" if p.model.tokenizer else "model.path")
-        model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code)
+        model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code, allow_pickle=p.model.allow_pickle)
     else:
         tok = (load_tokenizer(p.model.tokenizer) if p.model.tokenizer
                else train_tokenizer(data.corpus(p), PRESETS[p.model.preset]["tokenizer_vocab"]))
@@ -66,6 +69,14 @@ class StepLog:
         self.bar.set_postfix(loss=f"{loss:.4f}")
         self.bar.update(1)
 
+    def state(self) -> dict:
+        return {"losses": self.losses, "tokens": self.tokens}
+
+    def restore(self, state: dict) -> None:
+        """Continue a resumed loop: its earlier losses count toward the final metrics."""
+        self.losses, self.tokens = list(state.get("losses", [])), int(state.get("tokens", 0))
+        self.bar.update(len(self.losses))
+
     def close(self) -> dict:
         """Mean loss over the last tenth of the steps and over the tenth before (to see it flatten)."""
         self.bar.close()
@@ -88,3 +99,46 @@ def frozen(model):
     """Not trained: no autograd tracking, eval mode."""
     model.requires_grad_(False)
     return model.eval()
+
+
+class NonFinite(RuntimeError):
+    """A NaN or inf in a loss, reward or advantage, with the stage and step where it appeared."""
+
+
+def finite(stage: str, step: int, policy: str, **values) -> bool:
+    """True if every value is finite. Otherwise stop (policy 'stop': raise NonFinite naming the value and the
+    step) or report and skip the batch (policy 'skip': False)."""
+    bad = [k for k, v in values.items() if not math.isfinite(float(v))]
+    if not bad:
+        return True
+    what = ", ".join(f"{k}={float(values[k])}" for k in bad)
+    if policy == "skip":
+        print(f"{stage} step {step}: {what}; skipping this batch ({stage}.on_nonfinite=skip)", flush=True)
+        return False
+    raise NonFinite(f"{stage} step {step}: {what}; stopped (set {stage}.on_nonfinite: skip to skip such batches)")
+
+
+class Resumable:
+    """A training loop's checkpoints: resume from the newest valid one, save every N steps, and stop
+    cleanly (checkpoint, then Interrupted) when a stop was requested."""
+
+    def __init__(self, stage: str, out, cfg, models: dict, stateful: dict, log: StepLog):
+        self.stage, self.models, self.stateful, self.log = stage, models, stateful, log
+        self.ckpt = Checkpointer(out, stage, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    def resume(self) -> tuple[int, dict]:
+        """(first step to run, the loop state saved with it); (0, {}) for a fresh start."""
+        folder = self.ckpt.latest()
+        if folder is None:
+            return 0, {}
+        step, state = self.ckpt.load(folder, self.models, self.stateful)
+        self.log.restore(state.pop("log", {}))
+        print(f"{self.stage}: resuming from {folder.name}", flush=True)
+        return step, state
+
+    def after_step(self, done: int, **state) -> None:
+        stop = stop_requested()
+        if self.ckpt.due(done) or stop:
+            self.ckpt.save(done, self.models, self.stateful, {"log": self.log.state(), **state})
+        if stop:
+            raise Interrupted(f"{self.stage} stopped after step {done}, checkpoint written; run again to resume")

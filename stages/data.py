@@ -8,6 +8,7 @@ answer is, and PPO can then fix what SFT copied. The answer is checkable, so eva
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -86,43 +87,133 @@ def synthetic(kind: str, syn, seed: int) -> Split:
     return Split(Dataset.from_list(train), Dataset.from_list(rows(held)))
 
 
+OPTIONAL = {"prompts": ("answer",)}   # kept when present; may be an empty string
+JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+              type(None): "null"}
+
+
+def _json_records(p: Path, field: str, kind: str) -> list[tuple[str, dict]]:
+    """("line N", object) for every non-blank line of a JSONL file (or "item N" of a .json array), parsed
+    with the json module so that each mistake is reported with the line it is on."""
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise InputError(f"{field}: could not read {p}: line {line} is not UTF-8 (byte 0x{raw[e.start]:02x} at "
+                         f"offset {e.start}); expected UTF-8 text (re-save the file as UTF-8)") from None
+    if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        unit = "item"
+        try:
+            numbered = list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as e:
+            raise InputError(f"{field}: could not read {p}: not valid JSON ({e.msg} at line {e.lineno}, column "
+                             f"{e.colno}); expected an array of objects, or one object per line") from None
+        except RecursionError:
+            raise InputError(f"{field}: could not read {p}: nested too deeply; expected an array of objects")
+    else:
+        unit, numbered = "line", []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{field}: could not read {p}: line {n} is not valid JSON ({e.msg} at column "
+                                 f"{e.colno}); expected one JSON object per line") from None
+            except RecursionError:
+                raise InputError(f"{field}: could not read {p}: line {n} is nested too deeply; expected one "
+                                 f"JSON object per line") from None
+    for n, obj in numbered:
+        if not isinstance(obj, dict):
+            found = JSON_TYPES.get(type(obj), type(obj).__name__)
+            raise InputError(f"{field}: could not read {p}: {unit} {n} is a JSON {found}, expected an object "
+                             f"with columns {', '.join(COLUMNS[kind])}")
+    return [(f"{unit} {n}", obj) for n, obj in numbered]
+
+
+def _check_rows(rows: list[tuple[str, dict]], columns: tuple[str, ...], path, field: str) -> None:
+    """Every row has every column as a string, non-empty except `answer`; preference pairs differ. Each row
+    comes with where it is in the file ("row 3 (line 4)")."""
+    for where, row in rows:
+        for col in columns:
+            v = row.get(col)
+            if not isinstance(v, str) or (col != "answer" and not v):
+                got = "nothing (the key is missing)" if col not in row else _short(v)
+                kind = "a string" if col == "answer" else "a non-empty string"
+                raise InputError(f"{field}: {path} {where}: column '{col}' must be {kind}, got {got}")
+        if "chosen" in columns and row["chosen"] == row["rejected"]:
+            raise InputError(f"{field}: {path} {where}: chosen equals rejected (a pair must differ)")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _columns(kind: str, found: list[str], path, field: str) -> tuple[str, ...]:
+    missing = [c for c in COLUMNS[kind] if c not in found]
+    if missing:
+        raise InputError(f"{field}: {path} lacks column(s) {', '.join(missing)} "
+                         f"(expected columns: {', '.join(COLUMNS[kind])}; found: {', '.join(found) or 'none'})")
+    return COLUMNS[kind] + tuple(c for c in OPTIONAL.get(kind, ()) if c in found)
+
+
 def read_table(path: str, kind: str) -> Dataset:
-    """Load a user's JSONL or Parquet file and check that it has the columns `kind` needs."""
+    """Load a user's JSONL or Parquet file and check it: UTF-8, one JSON object per line, the columns
+    `kind` needs as non-empty strings on every row, preference pairs that differ. Only those columns (and
+    an optional `answer` for prompts) are kept. Nothing is unpickled: JSON is parsed by the json module,
+    Parquet read by pyarrow."""
     p = Path(path)
     field = f"data.{kind}.path"
+    if p.is_dir():
+        raise InputError(f"{field}: {path} is a folder (expected a JSONL or Parquet file)")
     if not p.is_file():
         raise InputError(f"{field}: file {path} not found (expected a JSONL or Parquet file)")
     suffix = p.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl, .json or .parquet)")
     if p.stat().st_size == 0:
         raise InputError(f"{field}: {path} is empty (expected rows with columns {', '.join(COLUMNS[kind])})")
+    if suffix == ".parquet":
+        return _read_parquet(p, kind, field)
+    records = _json_records(p, field, kind)
+    if not records:
+        raise InputError(f"{field}: {path} has no rows (expected JSON objects with columns "
+                         f"{', '.join(COLUMNS[kind])})")
+    found = list(dict.fromkeys(k for _, r in records for k in r))
+    keep = _columns(kind, found, path, field)
+    _check_rows([(f"row {i} ({where})", r) for i, (where, r) in enumerate(records, 1)], keep, path, field)
+    return Dataset.from_dict({c: [r[c] for _, r in records] for c in keep})
+
+
+def _read_parquet(p: Path, kind: str, field: str) -> Dataset:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.table import InMemoryTable
     try:
-        if suffix in (".jsonl", ".json"):
-            ds = Dataset.from_json(str(p))
-        elif suffix == ".parquet":
-            ds = Dataset.from_parquet(str(p))
-        else:
-            raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl, .json or .parquet)")
+        found = list(pq.read_schema(p).names)
+        keep = _columns(kind, found, p, field)
+        table = pq.read_table(p, columns=list(keep))
     except InputError:
         raise
-    except Exception as e:  # pyarrow/datasets raise many types for unreadable files
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         detail = (str(e).splitlines() or [""])[0][:200]
-        raise InputError(f"{field}: could not read {path} ({type(e).__name__}: {detail})") from None
-    if len(ds) == 0:
-        raise InputError(f"{field}: {path} has no rows")
-    missing = [c for c in COLUMNS[kind] if c not in ds.column_names]
-    if missing:
-        raise InputError(f"{field}: {path} lacks column(s) {', '.join(missing)} "
-                         f"(expected columns: {', '.join(COLUMNS[kind])}; found: {', '.join(ds.column_names)})")
-    for col in COLUMNS[kind] + (("answer",) if "answer" in ds.column_names else ()):
-        bad = next((i for i, v in enumerate(ds[col]) if not isinstance(v, str) or (col != "answer" and not v)), None)
-        if bad is not None:
-            raise InputError(f"{field}: {path} row {bad + 1}: column '{col}' must be a non-empty string, "
-                             f"got {ds[bad][col]!r}")
-    if kind == "preferences":
-        same = next((i for i, r in enumerate(ds) if r["chosen"] == r["rejected"]), None)
-        if same is not None:
-            raise InputError(f"{field}: {path} row {same + 1}: chosen equals rejected (a pair must differ)")
-    return ds
+        raise InputError(f"{field}: could not read {p} as Parquet ({type(e).__name__}: {detail})") from None
+    if table.num_rows == 0:
+        raise InputError(f"{field}: {p} has no rows")
+    for col in keep:
+        t = table.schema.field(col).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            raise InputError(f"{field}: {p} column '{col}' has type {t}, expected string")
+    _check_rows([(f"row {i}", r) for i, r in enumerate(table.to_pylist(), 1)], keep, p, field)
+    return Dataset(InMemoryTable(table))
+
+
+def split_sizes(n_rows: int, heldout_fraction: float) -> tuple[int, int]:
+    """(train, held-out) row counts of a user's file: at least one row is held out."""
+    n_held = max(1, int(n_rows * heldout_fraction))
+    return n_rows - n_held, n_held
 
 
 def load(kind: str, params) -> Split:
@@ -131,8 +222,8 @@ def load(kind: str, params) -> Split:
     if path is None:
         return synthetic(kind, params.data.synthetic, params.pipeline.seed)
     ds = read_table(path, kind).shuffle(seed=params.pipeline.seed)
-    n_held = max(1, int(len(ds) * params.data.heldout_fraction))
-    if len(ds) - n_held < 1:
+    n_train, n_held = split_sizes(len(ds), params.data.heldout_fraction)
+    if n_train < 1:
         raise InputError(f"data.{kind}.path: {path} has {len(ds)} row(s); need at least 2 to keep some held out")
     return Split(ds.select(range(n_held, len(ds))), ds.select(range(n_held)))
 

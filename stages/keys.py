@@ -43,9 +43,14 @@ def _file_fingerprint(path: str | None) -> str | None:
     return "missing"
 
 
+NOT_IN_KEY = {"checkpoint_every", "keep_checkpoints"}  # how often state is saved never changes the result
+
+
 def stage_params(p: Params, stage: str) -> dict:
-    """What a stage's output depends on among the params (artifacts_dir, tracking and the stage list don't)."""
-    return {"stage": p.model_dump(mode="json")[stage], "model": p.model.model_dump(mode="json"),
+    """What a stage's output depends on among the params (artifacts_dir, tracking, the stage list and
+    checkpoint cadence don't)."""
+    own = {k: v for k, v in p.model_dump(mode="json")[stage].items() if k not in NOT_IN_KEY}
+    return {"stage": own, "model": p.model.model_dump(mode="json"),
             "data": p.data.model_dump(mode="json"), "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json")}
 
 

@@ -7,10 +7,11 @@ that Prefect validates a deployment's overrides before a run is created.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from hybridcore.errors import InputError, NotYetSupported
 
@@ -19,17 +20,27 @@ STAGES = ("sft", "reward", "ppo", "evaluate")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan are refused everywhere: `lr: .inf` passes gt=0 and would only fail as a NaN loss much later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v, info: ValidationInfo):
+        """YAML's `true` would otherwise pass as the integer 1 (`ppo.iterations: true`)."""
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and {int, float} & {ann, *get_args(ann)}:
+            raise ValueError("expected a number, not a boolean")
+        return v
 
 
 PosInt = Field(gt=0)
 
 
 class Pipeline(_Section):
-    name: str = "tiny"                      # names the MLflow experiment's parent runs and registered models
+    name: str = Field("tiny", min_length=1)  # names the MLflow experiment's parent runs and registered models
     seed: int = 0                           # one seed: data generation, init, sampling
     stages: list[Literal["sft", "reward", "ppo", "evaluate"]] = Field(list(STAGES), min_length=1)  # run up to the last one listed
-    artifacts_dir: str = "artifacts"        # the cache: <artifacts_dir>/<stage>/<key>/
+    artifacts_dir: str = Field("artifacts", min_length=1)  # the cache: <artifacts_dir>/<stage>/<key>/
 
 
 class Model(_Section):
@@ -37,6 +48,8 @@ class Model(_Section):
     preset: Literal["tiny", "micro"] = "tiny"  # built-in Llama config with random weights + locally trained BPE
     tokenizer: Optional[str] = None         # tokenizer folder; default: the model folder's own
     trust_remote_code: bool = False         # never run a model folder's code unless turned on
+    allow_pickle: bool = False              # load pickled weights (pytorch_model.bin) when a folder has no
+                                            # safetensors; unpickling can run code, so only for folders you trust
 
 
 class Synthetic(_Section):
@@ -80,6 +93,9 @@ class Optim(Steps):
 
     @model_validator(mode="after")
     def _divides(self):
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) is larger than batch_size "
+                             f"({self.batch_size}); expected micro_batch_size <= batch_size")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
@@ -123,6 +139,9 @@ class PPO(Steps):
     @model_validator(mode="after")
     def _divides(self):
         for big, small in (("rollout_batch_size", "minibatch_size"), ("minibatch_size", "micro_batch_size")):
+            if getattr(self, small) > getattr(self, big):
+                raise ValueError(f"{small} ({getattr(self, small)}) is larger than {big} ({getattr(self, big)}); "
+                                 f"expected {small} <= {big}")
             if getattr(self, big) % getattr(self, small):
                 raise ValueError(f"{big} ({getattr(self, big)}) must be a multiple of {small} "
                                  f"({getattr(self, small)})")
@@ -206,14 +225,26 @@ def _partial(model: type[BaseModel]) -> type[BaseModel]:
 Overrides = _partial(Params)
 
 
+def _loc_part(part) -> str:
+    """A field path segment as written; a key that is not a plain name (spaces, line breaks, not a string)
+    is quoted so that the path stays readable and on one line."""
+    text = str(part)
+    return text if isinstance(part, str) and text.replace("_", "a").replace("-", "a").isalnum() else repr(part)
+
+
 def _one_line(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after")) or "(top level)"
+    loc = ".".join(_loc_part(p) for p in e["loc"] if not str(p).startswith("function-after")) or "(top level)"
     if e["type"] == "extra_forbidden":
         return f"{source}: unknown key '{loc}' (check the spelling; see params/tiny.yaml for every key)"
     got = e.get("input")
-    got = "" if isinstance(got, dict) else f", got {got!r}"
+    got = "" if isinstance(got, dict) else f", got {_short(got)}"
     return f"{source}: {loc}: {e['msg'].removeprefix('Value error, ')}{got}"
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -226,7 +257,11 @@ def deep_merge(base: dict, over: dict) -> dict:
 def resolve_preset(preset: str) -> Path:
     """A preset name in params/ or a path to a YAML file."""
     p = Path(preset)
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    try:
+        exists = p.exists()
+    except (OSError, ValueError):  # a name too long for the file system, or holding a NUL byte
+        exists = False
+    if p.suffix in (".yaml", ".yml") or exists:
         if not p.is_file():
             raise InputError(f"params file {preset}: not found (expected a YAML file or a name in {PARAMS_DIR})")
         return p
@@ -252,7 +287,11 @@ def parse_sets(sets: list[str]) -> dict:
                 raise InputError(f"--set {item!r}: '{part}' was already set to a value, not a section")
         if isinstance(node.get(leaf), dict):
             raise InputError(f"--set {item!r}: '{key.strip()}' is a section already given fields by another --set")
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise InputError(f"--set {item!r}: the value is not a YAML scalar or list "
+                             f"({str(e).splitlines()[0]}); quote it if it is a string") from None
     return out
 
 
@@ -263,6 +302,10 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
         doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise InputError(f"{path}: could not read it ({e.strerror or e}); expected a readable YAML file") from None
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to read (expected sections of keys and values)") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected a mapping of sections at the top level, got {type(doc).__name__}")
     doc = {k: ({} if v is None else v) for k, v in doc.items()}  # a section left with every key commented out
@@ -274,6 +317,7 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
         raise InputError(_one_line(e, str(path))) from None
     check_supported(params)
     return params
+
 
 
 def check_supported(p: Params) -> None:

@@ -21,7 +21,8 @@ from hybridcore.forward import batched, response_logits, response_logprobs, resp
 from hybridcore.models import load_tokenizer, save_model
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
-from stages.common import StepLog, frozen, load_policy, load_scorer, seed_all
+from hybridcore.interrupts import fault_active, fault_point
+from stages.common import Resumable, StepLog, finite, frozen, load_policy, load_scorer, seed_all
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -54,7 +55,7 @@ def make_experience(cfg, batch, actor, ref, rm, critic, eos_id, micro: int) -> d
             "advantages": rl.masked_whiten(adv, mask), "scores": scores, "kl": kl, "mask": mask, "ended": ended}
 
 
-def update(cfg, batch, exp, actor, critic, opts, micro: int, seed: int) -> dict:
+def update(cfg, batch, exp, actor, critic, opts, micro: int, seed: int, it: int) -> dict:
     """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch."""
     g = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
@@ -80,8 +81,13 @@ def update(cfg, batch, exp, actor, critic, opts, micro: int, seed: int) -> dict:
                 (vl * share).backward()
                 for k, v in zip(stats, (pl, vl, clipfrac, vclip, approx_kl, entropy)):
                     stats[k].append(v.item())
+            ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=stats["policy_loss"][-1],
+                        value_loss=stats["value_loss"][-1])
             for model, (opt, sched) in zip((actor, critic), opts):
-                step(model, opt, sched, cfg.max_grad_norm)
+                if ok:
+                    step(model, opt, sched, cfg.max_grad_norm)
+                else:
+                    opt.zero_grad(set_to_none=True)
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
@@ -106,10 +112,17 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     critic.train()
     stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
     log = StepLog("ppo", cfg.iterations, sink)
-    history = []
+    loop = Resumable("ppo", out, cfg, {"actor": actor.model, "critic": critic},
+                     {"actor_optimizer": opts[0][0], "actor_schedule": opts[0][1],
+                      "critic_optimizer": opts[1][0], "critic_schedule": opts[1][1]}, log)
+    start, state = loop.resume()
+    history = state.get("history", [])
     for it in range(cfg.iterations):
+        batch_prompts = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
+        if it < start:
+            continue
+        fault_point("ppo", it)
         torch.manual_seed(p.pipeline.seed * 100_003 + it)
-        batch_prompts = next(stream)
         t0 = time.perf_counter()
         with actor.rollout():
             responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
@@ -117,8 +130,13 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         t1 = time.perf_counter()
         batch = pack(batch_prompts, responses, tok.pad_token_id)
         exp = make_experience(cfg, batch, actor.model, ref, rm, critic, tok.eos_token_id, cfg.micro_batch_size)
+        if fault_active("ppo", "nan", it):
+            exp["scores"][0] = float("nan")
         t2 = time.perf_counter()
-        stats = update(cfg, batch, exp, actor.model, critic, opts, cfg.micro_batch_size, p.pipeline.seed + it)
+        if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
+            loop.after_step(it + 1, history=history)
+            continue
+        stats = update(cfg, batch, exp, actor.model, critic, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
         t3 = time.perf_counter()
         mask = exp["mask"]
         metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
@@ -129,7 +147,10 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                    "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats}
         history.append(metrics)
         log.step(it, stats["policy_loss"], int(batch.attention_mask.sum()), **metrics)
+        loop.after_step(it + 1, history=history)
     summary = log.close()
+    if not history:
+        raise RuntimeError("ppo: every rollout batch was skipped as non-finite; nothing was trained")
     k = max(1, len(history) // 10)
     first, last = history[:k], history[-k:]
     summary.update({f"{name}_{tag}": sum(h[name] for h in part) / len(part)

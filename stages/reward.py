@@ -15,8 +15,9 @@ from hybridcore.forward import sequence_scores
 from hybridcore.models import save_model, set_activation_checkpointing
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
-from stages.common import StepLog, load_scorer, seed_all, total_steps
+from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
+from stages.common import Resumable, StepLog, finite, load_scorer, seed_all, total_steps
 
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
@@ -59,7 +60,12 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("reward", steps, sink)
+    loop = Resumable("reward", out, cfg, {"model": model}, {"optimizer": opt, "schedule": sched}, log)
+    start, _ = loop.resume()
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
+        if i < start:
+            continue
+        fault_point("reward", i)
         total, correct = 0.0, 0.0
         for s in micro_batches(len(idx), cfg.micro_batch_size):
             rows = idx[s]
@@ -69,9 +75,13 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             loss.backward()
             total += loss.item()
             correct += float((c > r).sum())
-        norm = step(model, opt, sched, cfg.max_grad_norm)
-        n_tokens = sum(len(prompts[j]) * 2 + len(chosen[j]) + len(rejected[j]) for j in idx)
-        log.step(i, total, n_tokens, accuracy=correct / len(idx), lr=sched.get_last_lr()[0], grad_norm=norm)
+        if finite("reward", i, cfg.on_nonfinite, loss=total):
+            norm = step(model, opt, sched, cfg.max_grad_norm)
+            n_tokens = sum(len(prompts[j]) * 2 + len(chosen[j]) + len(rejected[j]) for j in idx)
+            log.step(i, total, n_tokens, accuracy=correct / len(idx), lr=sched.get_last_lr()[0], grad_norm=norm)
+        else:
+            opt.zero_grad(set_to_none=True)
+        loop.after_step(i + 1)
     metrics = log.close()
     metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
 
-from hybridcore.artifacts import artifact_dir, publish, read_verified, staging_dir
+from hybridcore.artifacts import artifact_dir, publish, read_verified, stage_lock, staging_dir
+from hybridcore.interrupts import graceful_stop
 from stages.keys import INPUTS, code_version, stage_params
 from stages.params import Params
 
@@ -64,12 +65,53 @@ def run_stage(params: Params, stage: str, keys: dict[str, str], sink: Optional[S
                                f"verification; run the pipeline up to {dep} first")
         inputs[dep] = Path(dep_hit.artifact)
     module = importlib.import_module(f"stages.{stage}")
-    tmp = staging_dir(params.pipeline.artifacts_dir, stage, key)
-    t0 = time.time()
-    metrics = module.run(params, inputs, tmp, sink or NullSink())
-    metrics = {k: float(v) for k, v in metrics.items() if v is not None}
-    manifest = {"stage": stage, "key": key, "params": stage_params(params, stage),
-                "inputs": {d: keys[d] for d in INPUTS[stage]}, "code_version": code_version(stage),
-                "metrics": metrics, "produced_by": run_id, "seconds": round(time.time() - t0, 2)}
-    final = publish(tmp, manifest)
+    root = params.pipeline.artifacts_dir
+    with stage_lock(root, stage, key, on_wait=lambda path: print(f"{stage}: another run is building {key}; "
+                                                                   f"waiting for it (lock {path})", flush=True)):
+        if not force and (hit := cached_result(params, stage, key)) is not None:
+            return hit  # the run we waited for finished it
+        tmp = staging_dir(root, stage, key)
+        t0 = time.time()
+        with graceful_stop():
+            metrics = module.run(params, inputs, tmp, sink or NullSink())
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        manifest = {"stage": stage, "key": key, "params": stage_params(params, stage),
+                    "inputs": {d: keys[d] for d in INPUTS[stage]}, "code_version": code_version(stage),
+                    "metrics": metrics, "produced_by": run_id, "seconds": round(time.time() - t0, 2)}
+        final = publish(tmp, manifest)
     return StageResult(stage, key, str(final.resolve()), False, metrics, run_id)
+
+
+def main(argv=None) -> int:
+    """`python -m stages.runner PARAMS STAGE [--set k=v ...]`: one stage, no Prefect, no tracking; its
+    inputs must already be in the artifact store. Prints the result as JSON. For tests and launchers."""
+    import argparse
+    import json
+    import sys
+
+    from hybridcore.errors import InputError
+    from hybridcore.interrupts import Interrupted, install_handlers
+    from stages.keys import stage_keys
+    from stages.params import load_params, parse_sets
+
+    ap = argparse.ArgumentParser(prog="python -m stages.runner")
+    ap.add_argument("params")
+    ap.add_argument("stage", choices=list(INPUTS))
+    ap.add_argument("--set", action="append", default=[])
+    args = ap.parse_args(argv)
+    install_handlers()
+    try:
+        params = load_params(args.params, parse_sets(args.set))
+        result = run_stage(params, args.stage, stage_keys(params))
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130
+    print(json.dumps(result.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,7 +15,8 @@ from hybridcore.forward import response_logits
 from hybridcore.models import save_model, set_activation_checkpointing
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
-from stages.common import StepLog, base_model, seed_all, total_steps
+from hybridcore.interrupts import fault_active, fault_point
+from stages.common import Resumable, StepLog, base_model, finite, seed_all, total_steps
 
 
 def token_losses(model, batch):
@@ -55,7 +56,12 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("sft", steps, sink)
+    loop = Resumable("sft", out, cfg, {"model": model}, {"optimizer": opt, "schedule": sched}, log)
+    start, _ = loop.resume()
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
+        if i < start:
+            continue
+        fault_point("sft", i)
         n_tokens = sum(len(responses[j]) for j in idx)
         total = 0.0
         for s in micro_batches(len(idx), cfg.micro_batch_size):
@@ -63,10 +69,16 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id)
             loss, _ = token_losses(model, batch)
             loss = (loss * batch.response_mask).sum() / n_tokens
+            if fault_active("sft", "nan", i):
+                loss = loss * float("nan")
             loss.backward()
             total += loss.item()
-        norm = step(model, opt, sched, cfg.max_grad_norm)
-        log.step(i, total, n_tokens, lr=sched.get_last_lr()[0], grad_norm=norm)
+        if finite("sft", i, cfg.on_nonfinite, loss=total):
+            norm = step(model, opt, sched, cfg.max_grad_norm)
+            log.step(i, total, n_tokens, lr=sched.get_last_lr()[0], grad_norm=norm)
+        else:
+            opt.zero_grad(set_to_none=True)
+        loop.after_step(i + 1)
     metrics = log.close()
     metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)

@@ -15,9 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """`hybrid-rlhf ARGS` in a fresh process, in `cwd` (where .prefect/, mlruns/ and artifacts/ go)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(extra_env or {})}
+    env.pop("PREFECT_HOME", None)  # the CLI puts it under cwd
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -78,12 +78,13 @@ def param_bytes(model):
 # ------------------------------------------------------------------------------------------------ transitions
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("was_training", [True, False])
-def test_rollout_reuses_the_training_weights(tok, prompts, was_training):
+def test_rollout_reuses_the_training_weights(tok, prompts, was_training, backend):
     """Inside rollout the very same parameter objects/storage serve generation; the mode is restored after."""
     model = fresh_model(tok)
     model.train(was_training)
-    actor = HybridActor(model, tok)
+    actor = HybridActor(model, tok, backend=backend)
     ptrs, params = param_ptrs(model), dict(model.named_parameters())
     n_params, n_bytes = sum(p.numel() for p in model.parameters()), param_bytes(model)
     n_tensors = len(model.state_dict())
@@ -105,6 +106,8 @@ def test_rollout_reuses_the_training_weights(tok, prompts, was_training):
     assert model.training == was_training
     assert all(m.training == was_training for m in model.modules())
     assert set(actor.last_transition_s) == {"enter", "exit"}
+    assert set(actor.last_transition_bytes) == {"enter", "exit", "kv_cache"}  # memory deltas: 0 on CPU
+    assert (actor.last_transition_bytes["kv_cache"] > 0) == (backend == "native")
 
 
 def test_rollout_restores_state_after_exception(tok):
@@ -140,6 +143,10 @@ def test_generate_outside_rollout_raises(tok, prompts):
 
 
 # ------------------------------------------------------------------------------------------------ generation
+
+
+def test_native_is_the_default_backend(tok):
+    assert HybridActor(fresh_model(tok), tok).backend.name == "native"
 
 
 def test_eos_model_gives_mixed_stops(tok, alone):

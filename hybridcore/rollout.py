@@ -1,0 +1,354 @@
+"""Rollout backends: how the hybrid actor turns prompts into responses with its own training weights.
+
+`native` is a decode loop over the model's own parameters (no copy) with a preallocated static KV cache.
+Decoding one token for a batch is about a thousand small kernels that each read weights once: the step is
+bound by launch overhead and memory bandwidth, never by arithmetic. So on CUDA the one-token step is
+captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. `hf` is plain
+transformers `generate`, kept as the baseline the native loop is tested and benchmarked against.
+
+Both take a left-padded batch ([B, P] ids and 0/1 mask) and return the new tokens [B, n] (n <= max_new),
+rows that met EOS padded with `pad_id` after it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from hybridcore.batch import position_ids
+
+ATTENTION = "hybrid_rollout"
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      **kwargs):
+    """SDPA that folds the query heads sharing one KV head into the query axis.
+
+    With a padding mask, transformers' sdpa path repeats K/V once per query head before the kernel: for a
+    6:1 grouped-query model that copies the whole cache six times per layer per step. Folded, each cached
+    K/V is read once. Attends to the first mask.shape[-1] cache columns (the prefill passes a shorter mask).
+    """
+    if sliding_window is not None:
+        raise NotImplementedError("the native rollout backend has no sliding-window attention yet")
+    if attention_mask is None:  # a call with no padding, e.g. a plain forward of the actor inside rollout
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    B, H, Q, D = query.shape
+    Hkv, L = key.shape[1], attention_mask.shape[-1]
+    g = H // Hkv
+    q = query.reshape(B, Hkv, g * Q, D)  # head h = kv * g + r, so rows are (r, q) with r major
+    mask = attention_mask if Q == 1 else attention_mask.unsqueeze(2).expand(B, 1, g, Q, L).reshape(B, 1, g * Q, L)
+    out = F.scaled_dot_product_attention(q, key[:, :, :L], value[:, :, :L], attn_mask=mask, dropout_p=dropout,
+                                         scale=scaling)
+    return out.reshape(B, H, Q, D).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, grouped_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+class StaticKVCache:
+    """Every layer's K and V preallocated as [B, kv_heads, capacity, head_dim].
+
+    Writes land at the cache columns in `index`, a tensor the decode loop advances in place, so a captured
+    CUDA graph replays unchanged. Only `update` is part of the model's cache protocol that we rely on: the
+    loop always passes position ids and a 4D mask, so the model never asks the cache for lengths.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], index: torch.Tensor | None = None):
+        self.keys, self.values, self.index = keys, values, index
+
+    @classmethod
+    def allocate(cls, config, batch: int, capacity: int, dtype, device) -> "StaticKVCache":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (batch, kv_heads, capacity, head_dim)
+        n = config.num_hidden_layers
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.index, key_states)
+        v.index_copy_(2, self.index, value_states)
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def decode_step(model, tokens, positions, column, mask, keys, values) -> torch.Tensor:
+    """Feed `tokens` [B, 1] at cache `column`: next-token logits [B, V]. Advances column and positions and
+    marks the column in `mask` [B, capacity], all in place, so the step can be replayed from a graph. A plain
+    function of tensors, so torch.compile guards on shapes, not on which decoder's buffers it is given."""
+    mask.index_fill_(1, column, True)
+    out = model(input_ids=tokens, attention_mask=mask[:, None, None, :], position_ids=positions,
+                past_key_values=StaticKVCache(keys, values, column), use_cache=True, logits_to_keep=1)
+    positions.add_(1)
+    column.add_(1)
+    return out.logits[:, -1]
+
+
+_compiled_step = None
+
+
+def compiled_decode_step():
+    """decode_step through torch.compile (inductor fuses the norms, rotary and activations that otherwise cost
+    one kernel each); one compiled function per process, recompiled only for a new batch size or capacity."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(decode_step, dynamic=False)
+    return _compiled_step
+
+
+def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, P, P] bool: causal over real tokens. A padding query sees only itself, so no row of the softmax
+    is empty (an empty row is NaN, and NaN keys would poison real rows through 0 * NaN)."""
+    P = mask.shape[1]
+    causal = torch.ones(P, P, dtype=torch.bool, device=mask.device).tril()
+    allowed = causal[None] & mask.bool()[:, None, :]
+    return (allowed | torch.eye(P, dtype=torch.bool, device=mask.device))[:, None]
+
+
+def truncate(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """The candidates a sampler draws from, in transformers' order: temperature, top-k, top-p.
+
+    Returns (logits, idx): the scaled logits of the candidates, -inf where top-p dropped one, and their
+    vocabulary ids (None when the candidates are the whole vocabulary in order). top_k=0 and top_p=1 are
+    off. With top-k on, top-p works on the k candidates only, so a full-vocabulary sort happens only for
+    top-p alone.
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    idx = None
+    if 0 < top_k < logits.shape[-1]:
+        logits, idx = logits.topk(top_k, dim=-1)  # sorted, largest first
+    elif top_p < 1.0:
+        logits, idx = logits.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        probs = logits.softmax(-1)
+        above = probs.cumsum(-1) - probs  # mass of the more probable candidates
+        logits = logits.masked_fill(above >= top_p, float("-inf"))  # the top candidate always stays
+    return logits, idx
+
+
+def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
+           top_p: float = 1.0) -> torch.Tensor:
+    """One token per row of logits [B, V] (drawn in float32); temperature 0 or greedy is argmax."""
+    if greedy or temperature == 0:
+        return logits.argmax(-1)
+    logits, idx = truncate(logits.float(), temperature, top_k, top_p)
+    choice = torch.multinomial(logits.softmax(-1), 1)
+    return (choice if idx is None else idx.gather(1, choice)).squeeze(1)
+
+
+_capture_streams: dict = {}
+
+
+def _capture_stream(device) -> "torch.cuda.Stream":
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
+class _Decoder:
+    """The static state of one (batch size, capacity): KV cache, input/output buffers, the captured graph."""
+
+    def __init__(self, model, batch: int, capacity: int, cuda_graph: bool, compile: bool):
+        p = next(model.parameters())
+        self.model, self.batch, self.capacity = model, batch, capacity
+        self.cache = StaticKVCache.allocate(model.config, batch, capacity, p.dtype, p.device)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
+        self.column = torch.zeros(1, dtype=torch.long, device=p.device)  # cache column of the token fed
+        self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=p.device)  # columns written so far
+        self.step_fn = compiled_decode_step() if compile else decode_step
+        self.graph = self.logits = None
+        if cuda_graph:
+            self._capture()
+
+    def _forward(self) -> torch.Tensor:
+        return self.step_fn(self.model, self.tokens, self.positions, self.column, self.mask, self.cache.keys,
+                            self.cache.values)
+
+    def _capture(self) -> None:
+        """Warm up on the capture stream (lazy inits, cuBLAS workspace), reset, then record the step once.
+
+        One stream per device for every capture: cuBLAS keeps a workspace (~32 MiB on Hopper) per stream for
+        the life of the process, so a fresh stream per rollout leaked that much per PPO iteration."""
+        side = _capture_stream(self.tokens.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.reset()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side):
+            self.logits = self._forward()
+
+    def reset(self) -> None:
+        self.mask.zero_()
+        self.column.zero_()
+        self.positions.zero_()
+
+    def step(self) -> torch.Tensor:
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+
+class NativeRollout:
+    """The static-cache decode loop. State (cache, graph) lives from first use until `exit`, and is reused
+    across generate calls of the same batch size that fit its capacity (PPO: every call)."""
+
+    name = "native"
+
+    def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
+                 capacity_multiple: int = 64, compile: bool = False):
+        """cuda_graph: None = on for CUDA models. compile: also run the decode step through torch.compile
+        (opt-in: it compiles on first use for each batch size and capacity, and CI does not exercise it)."""
+        self.model = model
+        self.cuda_graph, self.compile = cuda_graph, compile
+        self.stop_check_every = stop_check_every
+        self.capacity_multiple = capacity_multiple
+        self._decoder: _Decoder | None = None
+        self._saved_attention = None
+        self.last_stats: dict[str, float] = {}
+
+    def enter(self) -> None:
+        """Route the actor's attention through `grouped_attention` for the rollout (restored by exit)."""
+        self._saved_attention = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTENTION
+
+    def exit(self) -> None:
+        """Free the KV cache, the graph and its memory pool; the weights are untouched."""
+        self._decoder = None
+        if self._saved_attention is not None:
+            self.model.config._attn_implementation = self._saved_attention
+            self._saved_attention = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._decoder.cache.nbytes if self._decoder is not None else 0
+
+    def _decoder_for(self, batch: int, length: int, device) -> _Decoder:
+        d = self._decoder
+        if d is None or d.batch != batch or d.capacity < length:
+            self._decoder = d = None  # free the old cache before allocating the new one
+            graph = device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+            capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
+            self._decoder = d = _Decoder(self.model, batch, capacity, graph, self.compile)
+        d.reset()
+        return d
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,
+                 pad_id: int, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0) -> torch.Tensor:
+        B, P = ids.shape
+        out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=ids.device)
+        if max_new_tokens == 0:
+            return out
+        clock = _Clock(ids.device)
+        d = self._decoder_for(B, P + max_new_tokens, ids.device)
+        d.mask[:, :P] = mask.bool()
+        d.cache.index = torch.arange(P, device=ids.device)
+        logits = self.model(input_ids=ids, attention_mask=prefill_mask(mask), position_ids=position_ids(mask),
+                            past_key_values=d.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        d.column.fill_(P)
+        d.positions.copy_(mask.sum(1, keepdim=True))
+        clock.mark()
+        every = self.stop_check_every or (8 if ids.device.type == "cuda" else 1)
+        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        n = max_new_tokens
+        for t in range(max_new_tokens):
+            nxt = sample(logits, greedy, temperature, top_k, top_p)
+            if eos_id is not None:
+                nxt = nxt.masked_fill(finished, pad_id)
+                finished |= nxt == eos_id
+            out[:, t] = nxt
+            if t + 1 == max_new_tokens:
+                break
+            if eos_id is not None and (t + 1) % every == 0 and bool(finished.all()):
+                n = t + 1
+                break
+            d.tokens.copy_(nxt[:, None])
+            logits = d.step()
+        out = out[:, :n]
+        clock.mark()
+        prefill_s, decode_s = clock.intervals()
+        self.last_stats = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
+                           "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None}
+        return out
+
+
+class HFGenerate:
+    """transformers' generate on the same weights: the baseline (dynamic cache, or cache_implementation="static",
+    which transformers compiles on CUDA)."""
+
+    name = "hf"
+
+    def __init__(self, model, cache_implementation: str | None = None):
+        self.model, self.cache_implementation = model, cache_implementation
+        self.kv_cache_bytes = 0
+        self.last_stats: dict[str, float] = {}
+
+    def enter(self) -> None:
+        pass
+
+    def exit(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, ids, mask, max_new_tokens, *, eos_id, pad_id, greedy=False, temperature=1.0, top_k=0,
+                 top_p=1.0) -> torch.Tensor:
+        # top_k=0 explicitly: None would let generate() fill in its global default of 50, and rollouts would
+        # then come from a truncated distribution while PPO scores them under the full softmax.
+        do_sample = not (greedy or temperature == 0)
+        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else \
+            dict(temperature=None, top_k=None, top_p=None)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_id,
+                               eos_token_id=eos_id, bos_token_id=None, cache_implementation=self.cache_implementation,
+                               **knobs)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        return out[:, ids.shape[1]:]
+
+
+BACKENDS = {"native": NativeRollout, "hf": HFGenerate}
+
+
+def make_backend(name: str, model, **kwargs):
+    if name not in BACKENDS:
+        raise ValueError(f"rollout backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name](model, **kwargs)
+
+
+class _Clock:
+    """Interval timer: CUDA events on a GPU (no sync until read), perf_counter on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]

@@ -1,0 +1,193 @@
+"""Kill anywhere, resume exactly: SIGKILL at chosen steps of SFT, RM and PPO (and mid-checkpoint), run
+again, and the final weights equal an uninterrupted run's bit for bit (fixed seeds, CPU, same thread
+count: every input to every step is restored, so there is no tolerance to state)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridcore.interrupts import FAULT_ENV
+from tests.conftest import ROOT, run_cli
+
+EVERY = {"sft": 3, "reward": 3, "ppo": 2}
+SETS = ["sft.epochs=4", f"sft.checkpoint_every={EVERY['sft']}", "reward.epochs=4",
+        f"reward.checkpoint_every={EVERY['reward']}", "ppo.iterations=6", f"ppo.checkpoint_every={EVERY['ppo']}"]
+UPSTREAM = {"sft": [], "reward": ["sft"], "ppo": ["sft", "reward"]}
+
+
+def run_stage(stage: str, artifacts: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    args = [sys.executable, "-m", "stages.runner", str(ROOT / "params" / "test.yaml"), stage,
+            "--set", f"pipeline.artifacts_dir={artifacts}"]
+    for s in SETS:
+        args += ["--set", s]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+
+
+def weights(artifact: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(artifact) / "model" / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Each stage run once without interruption: the results every resumed run must equal."""
+    root = tmp_path_factory.mktemp("reference")
+    out = {"root": root}
+    for stage in ("sft", "reward", "ppo"):
+        proc = run_stage(stage, root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[stage] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+KILLS = ["sft:1", "sft:7", "sft:15", "sft:checkpoint:9", "reward:0", "reward:5", "reward:14",
+         "ppo:1", "ppo:4", "ppo:checkpoint:4"]
+
+
+@pytest.mark.parametrize("fault", KILLS)
+def test_kill_and_resume_is_exact(fault, reference, tmp_path):
+    """SIGKILL at the point, resume: same final weights and loss history; at most one checkpoint interval
+    of finished steps is redone."""
+    stage = fault.split(":")[0]
+    killed_at = int(fault.split(":")[-1])
+    for dep in UPSTREAM[stage]:
+        shutil.copytree(reference["root"] / dep, tmp_path / dep)
+    proc = run_stage(stage, tmp_path, fault)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+    partial = next((tmp_path / stage).glob("*.partial"))
+    done = sorted(int(p.name.split("-")[1]) for p in (partial / "checkpoints").glob("step-*"))
+    newest = done[-1] if done else 0
+    if "checkpoint" in fault:  # killed while writing step N: the previous checkpoint is the newest valid one
+        assert newest == killed_at - EVERY[stage]
+    else:
+        assert killed_at - EVERY[stage] < newest <= killed_at
+    proc = run_stage(stage, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    if newest:
+        assert f"resuming from step-{newest}" in proc.stdout + proc.stderr
+    assert resumed["key"] == reference[stage]["key"]
+    assert_same_weights(resumed["artifact"], reference[stage]["artifact"])
+    assert resumed["metrics"]["train_loss"] == reference[stage]["metrics"]["train_loss"]
+    assert not (Path(resumed["artifact"]) / "checkpoints").exists()
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
+    """A truncated newest checkpoint is reported in one line and the one before it is used; the result is
+    still exact."""
+    proc = run_stage("sft", tmp_path, "sft:10")
+    assert proc.returncode == -9
+    ckpts = next((tmp_path / "sft").glob("*.partial")) / "checkpoints"
+    newest = ckpts / "step-9"
+    blob = newest / "model.safetensors"
+    blob.write_bytes(blob.read_bytes()[:100])
+    proc = run_stage("sft", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [x for x in proc.stderr.splitlines() if "unusable" in x]
+    assert len(warnings) == 1 and "step-9" in warnings[0] and "model.safetensors" in warnings[0], proc.stderr
+    assert "resuming from step-6" in proc.stdout
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert_same_weights(resumed["artifact"], reference["sft"]["artifact"])
+
+
+def test_concurrent_runs_of_one_key_never_mix(reference, tmp_path):
+    """Two processes start the same stage key at once: one trains, the other waits on the lock and then
+    finds the finished artifact; the artifact verifies and equals the reference."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "stages.runner", str(ROOT / "params" / "test.yaml"), "sft",
+            "--set", f"pipeline.artifacts_dir={tmp_path}"] + [x for s in SETS for x in ("--set", s)]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert sorted(r["cached"] for r in results) == [False, True]
+    assert "waiting for it" in "".join(o[0] for o in outs)
+    assert_same_weights(results[0]["artifact"], reference["sft"]["artifact"])
+    from hybridcore.artifacts import read_verified
+    assert read_verified(Path(results[0]["artifact"])) is not None
+
+
+def _servers_of(prefect_home: Path) -> list[int]:
+    """PIDs of live processes started with this PREFECT_HOME (our API servers included)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if f"PREFECT_HOME={prefect_home}".encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("fault", ["sft:10", "ppo:3"])
+def test_kill_whole_flow_and_rerun(fault, reference, tmp_path):
+    """SIGKILL the CLI's whole flow mid-stage: its Prefect server goes with it; the rerun resumes that stage
+    (earlier stages are cache hits) and ends with the uninterrupted run's weights."""
+    import time
+    cli = ["run", str(ROOT / "params" / "test.yaml"), "--set", "tracking.enabled=false",
+           "--set", "pipeline.stages=[ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
+    env_fault = {FAULT_ENV: fault}
+    proc = run_cli(cli, tmp_path, extra_env=env_fault)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+    deadline = time.time() + 20
+    while _servers_of(tmp_path / ".prefect") and time.time() < deadline:
+        time.sleep(0.5)
+    assert _servers_of(tmp_path / ".prefect") == []
+    proc = run_cli(cli, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((tmp_path / "s.json").read_text())["stages"]
+    stage = fault.split(":")[0]
+    for name in ("sft", "reward", "ppo"):
+        assert_same_weights(stages[name]["artifact"], reference[name]["artifact"])
+    if stage == "ppo":
+        assert stages["sft"]["cached"] and stages["reward"]["cached"]
+    assert not stages[stage]["cached"]
+
+
+def test_sigterm_stops_gracefully_with_a_checkpoint(reference, tmp_path):
+    """SIGTERM during SFT (as from an orchestrator): the current step finishes, a checkpoint is written
+    even off the interval, exit code 130; the rerun resumes there and ends exact."""
+    proc = run_stage("sft", tmp_path, "sft:term:4")
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert "interrupted: sft stopped after step 5" in proc.stderr
+    partial = next((tmp_path / "sft").glob("*.partial"))
+    assert (partial / "checkpoints" / "step-5").is_dir()
+    proc = run_stage("sft", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step-5" in proc.stdout
+    assert_same_weights(json.loads(proc.stdout.strip().splitlines()[-1])["artifact"], reference["sft"]["artifact"])
+
+
+def test_sigterm_through_the_flow(reference, tmp_path):
+    """The same through the CLI and Prefect (whose own SIGTERM bridge is set aside while a stage trains):
+    exit code 130 and one 'interrupted' line, then an exact resume."""
+    cli = ["run", str(ROOT / "params" / "test.yaml"), "--set", "tracking.enabled=false",
+           "--set", "pipeline.stages=[ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
+    proc = run_cli(cli, tmp_path, extra_env={FAULT_ENV: "ppo:term:2"})
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+    assert "interrupted: ppo stopped after step 3" in proc.stderr
+    proc = run_cli(cli, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((tmp_path / "s.json").read_text())["stages"]
+    assert_same_weights(stages["ppo"]["artifact"], reference["ppo"]["artifact"])

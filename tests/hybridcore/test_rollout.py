@@ -1,0 +1,261 @@
+"""The native rollout backend against transformers' generate, its sampler, and the train <-> rollout
+transition (no weight copy, KV cache freed, optimizer states offloaded and restored)."""
+import gc
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from hybridcore.actor import HybridActor
+from hybridcore.batch import pack
+from hybridcore.forward import response_logits
+from hybridcore.models import build_preset, train_tokenizer
+from hybridcore.rollout import HFGenerate, NativeRollout, sample, truncate
+from tests.hybridcore.test_actor import MAX_NEW, make_texts
+
+LENGTHS = [5, 12, 1, 20, 8, 30, 3, 16, 7, 24]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(make_texts(), 384)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    texts = make_texts(2 * len(LENGTHS), seed=7)
+    return [tok(texts[2 * i] + ". " + texts[2 * i + 1], add_special_tokens=False)["input_ids"][:n]
+            for i, n in enumerate(LENGTHS)]
+
+
+def with_likely_eos(model, tok, prompts):
+    """Make eos 1.5x as likely (in logit) as the model's favourite greedy token, so some rows stop early."""
+    actor = HybridActor(model.eval(), tok, backend="hf")
+    with actor.rollout():
+        out = actor.generate(prompts, MAX_NEW, greedy=True)
+    top = Counter(t for row in out for t in row).most_common(1)[0][0]
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[top]
+    return model
+
+
+def gqa_model(tok, seed):
+    """A Qwen2 with 4 query heads over 2 KV heads (grouped-query attention), which the micro preset lacks."""
+    vocab = -(-len(tok) // 32) * 32
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                     tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+@pytest.fixture(scope="module", params=["llama-micro", "qwen2-gqa"])
+def eos_model(request, tok, prompts):
+    if request.param == "llama-micro":
+        model = build_preset("micro", tok, seed=0).float()
+    else:
+        model = gqa_model(tok, seed=1)
+    return with_likely_eos(model, tok, prompts)
+
+
+def run(model, tok, prompts, backend, max_new=MAX_NEW, **kw):
+    actor = HybridActor(model, tok, backend=backend)
+    with actor.rollout():
+        return actor.generate(prompts, max_new, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize("bs,n", [(1, 4), (4, 10), (10, 10)])
+def test_greedy_equals_transformers_generate(tok, prompts, eos_model, bs, n):
+    """fp32 greedy tokens of the native loop equal transformers' generate, for batches of mixed prompt lengths
+    (left padding) where some rows stop at eos and others run to max_new_tokens."""
+    eos = tok.eos_token_id
+    native, hf = [], []
+    for s in range(0, n, bs):
+        native += run(eos_model, tok, prompts[s:min(s + bs, n)], "native", greedy=True)
+        hf += run(eos_model, tok, prompts[s:min(s + bs, n)], "hf", greedy=True)
+    assert native == hf
+    assert any(r[-1] == eos and len(r) < MAX_NEW for r in native)
+    assert any(eos not in r and len(r) == MAX_NEW for r in native)
+
+
+def test_greedy_equal_lengths_and_static_generate(tok, prompts, eos_model):
+    """Prompts of one length (no padding) and a long decode; also equal to generate with the static cache."""
+    same = [p[:12] for p in prompts if len(p) >= 12]
+    native = run(eos_model, tok, same, "native", max_new=40, greedy=True)
+    assert native == run(eos_model, tok, same, "hf", max_new=40, greedy=True)
+    actor = HybridActor(eos_model, tok)
+    actor.backend = HFGenerate(eos_model, cache_implementation="static")
+    with actor.rollout():
+        assert actor.generate(same, 40, greedy=True) == native
+
+
+def test_cache_reused_and_regrown_within_one_rollout(tok, prompts, eos_model):
+    """Several generate calls in one rollout (same batch size, a longer prompt, another batch size) reuse or
+    reallocate the static state and stay equal to generate; checking for all-done every 4 steps changes nothing."""
+    actor = HybridActor(eos_model, tok)
+    actor.backend = NativeRollout(eos_model, stop_check_every=4)
+    batches = [prompts[:3], prompts[3:6], prompts[5:8], prompts[:5]]  # the 30-token prompt grows the capacity
+    with actor.rollout():
+        got = [actor.generate(b, MAX_NEW, greedy=True) for b in batches]
+    assert got == [run(eos_model, tok, b, "hf", greedy=True) for b in batches]
+
+
+def test_temperature_zero_is_greedy(tok, prompts, eos_model):
+    greedy = run(eos_model, tok, prompts[:6], "native", greedy=True)
+    torch.manual_seed(0)
+    assert run(eos_model, tok, prompts[:6], "native", temperature=0.0) == greedy
+    assert run(eos_model, tok, prompts[:6], "native", top_k=1) == greedy
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 20, 0.6), (1.0, 0, 0.3)])
+def test_candidates_match_transformers_warpers(temperature, top_k, top_p):
+    """The set a token is drawn from equals what transformers' temperature/top-k/top-p warpers keep."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 300, generator=g) * 3
+    ref = logits / temperature
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    cand, idx = truncate(logits, temperature, top_k, top_p)
+    full = torch.full_like(logits, float("-inf"))
+    full.scatter_(1, idx, cand) if idx is not None else full.copy_(cand)
+    assert torch.equal(torch.isfinite(full), torch.isfinite(ref))
+    assert torch.allclose(full.softmax(-1), ref.softmax(-1), atol=1e-6)
+
+
+def test_sampler_statistics():
+    """Draws follow the truncated softmax: top-k never leaves the top k, top-p keeps only the nucleus, and the
+    frequencies match the renormalised probabilities."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = probs.log().expand(20000, -1).contiguous()
+    torch.manual_seed(0)
+    k3 = Counter(sample(logits, top_k=3).tolist())
+    assert set(k3) == {0, 1, 2}
+    assert abs(k3[0] / 20000 - 0.4 / 0.8) < 0.02
+    nucleus = Counter(sample(logits, top_p=0.7).tolist())  # 0.4 + 0.25 < 0.7 <= 0.4 + 0.25 + 0.15
+    assert set(nucleus) == {0, 1, 2}
+    assert abs(nucleus[2] / 20000 - 0.15 / 0.8) < 0.02
+    assert set(sample(logits, top_p=0.3).tolist()) == {0}
+    cold = Counter(sample(logits, temperature=0.5).tolist())
+    expect = (probs.log() / 0.5).softmax(-1)
+    assert all(abs(cold[i] / 20000 - expect[i]) < 0.02 for i in range(6))
+    assert torch.equal(sample(logits[:4], temperature=0.0), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5)])
+def test_sampled_tokens_stay_in_the_models_truncated_distribution(tok, prompts, eos_model, top_k, top_p):
+    """Every sampled token lies in the top k (or the top-p nucleus) of the model's own next-token distribution
+    at that step, recomputed by a full forward over the finished sequences."""
+    torch.manual_seed(3)
+    responses = run(eos_model, tok, prompts, "native", top_k=top_k, top_p=top_p)
+    batch = pack(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        logits = response_logits(eos_model, batch).float()
+    chosen = logits.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+    real = batch.response_mask.bool()
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[..., -1]
+        assert (chosen[real] >= kth[real] - 1e-4).all()
+    else:
+        probs = logits.softmax(-1)
+        above = (probs * (logits > chosen.unsqueeze(-1))).sum(-1)  # mass of the more probable tokens
+        assert (above[real] < top_p + 1e-4).all()
+        assert (above[real] > 0).any()  # not just greedy
+
+
+# ------------------------------------------------------------------------------------------------ transitions
+
+
+def test_no_weight_copy_and_cache_freed_on_exit(tok, prompts):
+    """Inside rollout no live tensor duplicates a weight, the parameters keep their storage, and leaving
+    rollout frees the KV cache (its tensors die) and restores the model's attention implementation."""
+    model = build_preset("micro", tok, seed=1234).float().train()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    actor = HybridActor(model, tok)
+    with actor.rollout():
+        actor.generate(prompts[:4], MAX_NEW, temperature=1.0)
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+        cache = actor.backend._decoder.cache
+        alive = [weakref.ref(t) for t in cache.keys + cache.values]
+        kv_bytes = cache.nbytes
+        weights = [p for p in model.parameters() if p.numel() >= 4096]
+        tensors = [o for o in gc.get_objects() if torch.is_tensor(o)]
+        for p in weights:
+            copies = [o for o in tensors if o.shape == p.shape and o.dtype == p.dtype
+                      and o.data_ptr() != p.data_ptr() and torch.equal(o, p)]
+            assert not copies
+        del cache, tensors, weights
+    gc.collect()
+    assert all(r() is None for r in alive)
+    assert actor.backend.kv_cache_bytes == 0
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert kv_bytes == 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * 64 * head_dim * 4
+    assert actor.last_transition_bytes["kv_cache"] == kv_bytes
+    assert set(actor.last_transition_s) == {"enter", "exit"}
+    assert set(actor.last_transition_bytes) == {"enter", "exit", "kv_cache"}
+    assert model.config._attn_implementation == "sdpa" and model.training
+
+
+def test_attention_restored_after_exception(tok):
+    model = build_preset("micro", tok, seed=0).float()
+    actor = HybridActor(model, tok)
+    with pytest.raises(ValueError):
+        with actor.rollout():
+            assert model.config._attn_implementation != "sdpa"
+            raise ValueError("boom")
+    assert model.config._attn_implementation == "sdpa" and not actor.in_rollout
+
+
+def adamw_after_one_step(tok, prompts):
+    model = build_preset("micro", tok, seed=5).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = pack(prompts[:4], [[5, 6, 7]] * 4, tok.pad_token_id)
+    loss = response_logits(model, batch).float().logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt, batch
+
+
+def test_optimizer_offload_round_trip(tok, prompts):
+    """With offload_optimizer, every state tensor lives in another (CPU) buffer during rollout and comes back
+    identical; the next optimizer step matches an actor that never offloaded."""
+    model, opt, batch = adamw_after_one_step(tok, prompts)
+    ref_model, ref_opt, _ = adamw_after_one_step(tok, prompts)
+    before = {(i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    ptrs = {(i, k): v.data_ptr() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    actor = HybridActor(model, tok, optimizer=opt, offload_optimizer=True)
+    for _ in range(2):  # the second rollout reuses the host buffers
+        with actor.rollout():
+            for i, s in enumerate(opt.state.values()):
+                for k, v in s.items():
+                    assert v.device.type == "cpu" and v.data_ptr() != ptrs[(i, k)]
+                    assert torch.equal(v, before[(i, k)])
+            actor.generate(prompts[:2], 4, greedy=True)
+        after = {(i, k): v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+        assert after.keys() == before.keys()
+        for key, v in after.items():
+            assert torch.equal(v, before[key]) and v.dtype == before[key].dtype and v.device == before[key].device
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        response_logits(m, batch).float().logsumexp(-1).mean().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    with pytest.raises(ValueError, match="optimizer"):
+        HybridActor(model, tok, offload_optimizer=True)
+
+
+def test_unknown_backend_is_refused(tok):
+    with pytest.raises(ValueError, match="native"):
+        HybridActor(build_preset("micro", tok, seed=0), tok, backend="vllm-ish")
