@@ -20,7 +20,7 @@ from tests.flows.test_resume import _servers_of
 
 def _api(url: str, path: str, body: dict | None = None):
     req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"}, method="POST" if body else "GET")
+                                 headers={"Content-Type": "application/json"}, method="POST" if body is not None else "GET")
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
