@@ -41,13 +41,13 @@ def summary_table(summary: dict) -> str:
 
 
 class _ShortInputErrors(logging.Filter):
-    """Prefect logs a failing task's traceback; for a user's input error or a requested stop one line
-    says it all."""
+    """Prefect logs a failing task's traceback; for a user's input error, a requested stop or a fault the
+    stage detected itself one line says it all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from hybridcore.errors import InputError
+        from hybridcore.errors import InputError, TrainingFault
         from hybridcore.interrupts import Interrupted
-        if record.exc_info and isinstance(record.exc_info[1], (InputError, Interrupted)):
+        if record.exc_info and isinstance(record.exc_info[1], (InputError, Interrupted, TrainingFault)):
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -150,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     settings.apply()
     args = parser().parse_args(argv)
-    from hybridcore.errors import InputError
+    from hybridcore.errors import InputError, TrainingFault
     from hybridcore.interrupts import Interrupted
     try:
         return args.fn(args)
@@ -162,6 +162,11 @@ def main(argv=None) -> int:
     except (KeyboardInterrupt, Interrupted) as e:
         print(f"interrupted: {e or 'by the user'}", file=sys.stderr)
         return 130
+    except TrainingFault as e:  # NaN/inf, a checkpoint that could not be written: what happened, what was kept
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # anything else is our bug or the machine's: say what, and how to see more
         if args.debug:
             raise

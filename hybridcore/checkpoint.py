@@ -8,6 +8,7 @@ previous one is used.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,10 +22,15 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from hybridcore.artifacts import file_hashes, sha256_file
-from hybridcore.interrupts import fault_point
+from hybridcore.errors import TrainingFault
+from hybridcore.interrupts import fault_active, fault_point
 
 log = logging.getLogger("hybridcore.checkpoint")
 MANIFEST = "checkpoint.json"
+
+
+class CheckpointWriteError(TrainingFault):
+    """A step checkpoint could not be written (disk full, permissions); the previous ones are untouched."""
 
 
 def _rng_state() -> dict:
@@ -51,24 +57,38 @@ class Checkpointer:
 
     def save(self, step: int, models: dict, stateful: dict, state: dict) -> Path:
         """models: name -> nn.Module; stateful: name -> object with state_dict() (optimizers, schedules);
-        state: JSON-able loop state."""
+        state: JSON-able loop state. Everything goes to a temp folder that is renamed only when complete, so a
+        failed write (a full disk) leaves the previous checkpoints as they were; it raises CheckpointWriteError."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step}"
         tmp = self.root / f".step-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for name, model in models.items():
-            save_model(model, str(tmp / f"{name}.safetensors"))
-        fault_point(self.stage, "checkpoint", step)
-        torch.save({"stateful": {k: v.state_dict() for k, v in stateful.items()},
-                    "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
-        (tmp / "loop.json").write_text(json.dumps({"step": step, "state": state, "rng": _rng_state()}))
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": file_hashes(tmp)}))
+        try:
+            tmp.mkdir()
+            self._write(tmp, step, models, stateful, state)
+        except Exception as e:  # ENOSPC shows up as OSError, or as RuntimeError from torch.save's writer
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept, why = self.latest(), getattr(e, "strerror", None) or e
+            raise CheckpointWriteError(
+                f"{self.stage}: could not write checkpoint step-{step} in {self.root} ({why}); "
+                + (f"{kept.name} is intact and a rerun resumes from it" if kept else "no earlier checkpoint exists")
+                + " -- free disk space and run again") from e
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         self._prune()
         return final
+
+    def _write(self, tmp: Path, step: int, models: dict, stateful: dict, state: dict) -> None:
+        for name, model in models.items():
+            save_model(model, str(tmp / f"{name}.safetensors"))
+        fault_point(self.stage, "checkpoint", step)
+        if fault_active(self.stage, "enospc", step):  # a disk that fills up halfway through the write
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state.pt"))
+        torch.save({"stateful": {k: v.state_dict() for k, v in stateful.items()},
+                    "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+        (tmp / "loop.json").write_text(json.dumps({"step": step, "state": state, "rng": _rng_state()}))
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": file_hashes(tmp)}))
 
     def _prune(self) -> None:
         steps = sorted(self._steps(), reverse=True)

@@ -21,6 +21,14 @@ class InputError(Exception):
         super().__init__(one_line(str(message)))
 
 
+class TrainingFault(RuntimeError):
+    """A stage stopped on a fault it detected itself (NaN/inf values, a checkpoint that could not be written).
+    The message says what happened, where, and what was kept; the CLI prints it as one line, exit code 1."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(str(message)))
+
+
 class NotYetSupported(InputError):
     """An option whose code has not landed yet: refused up front instead of silently ignored."""
 

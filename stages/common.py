@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridcore.checkpoint import Checkpointer
-from hybridcore.errors import InputError
+from hybridcore.errors import InputError, TrainingFault
 from hybridcore.interrupts import Interrupted, stop_requested
 from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
                                load_tokenizer, train_tokenizer)
@@ -101,7 +101,7 @@ def frozen(model):
     return model.eval()
 
 
-class NonFinite(RuntimeError):
+class NonFinite(TrainingFault):
     """A NaN or inf in a loss, reward or advantage, with the stage and step where it appeared."""
 
 
@@ -115,7 +115,8 @@ def finite(stage: str, step: int, policy: str, **values) -> bool:
     if policy == "skip":
         print(f"{stage} step {step}: {what}; skipping this batch ({stage}.on_nonfinite=skip)", flush=True)
         return False
-    raise NonFinite(f"{stage} step {step}: {what}; stopped (set {stage}.on_nonfinite: skip to skip such batches)")
+    raise NonFinite(f"{stage} step {step}: {what}; stopped; a rerun resumes from the newest checkpoint (set {stage}.on_nonfinite: skip to "
+                    "skip such batches)")
 
 
 class Resumable:

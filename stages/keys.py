@@ -43,7 +43,9 @@ def _file_fingerprint(path: str | None) -> str | None:
     return "missing"
 
 
-NOT_IN_KEY = {"checkpoint_every", "keep_checkpoints"}  # how often state is saved never changes the result
+# How often state is saved never changes the result; nor does on_nonfinite: a run that met no NaN ends the same
+# under either policy, and one that met one under `stop` produced no artifact, so its rerun with `skip` resumes.
+NOT_IN_KEY = {"checkpoint_every", "keep_checkpoints", "on_nonfinite"}
 
 
 def stage_params(p: Params, stage: str) -> dict:

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import json
     import sys
 
-    from hybridcore.errors import InputError
+    from hybridcore.errors import InputError, TrainingFault
     from hybridcore.interrupts import Interrupted, install_handlers
     from stages.keys import stage_keys
     from stages.params import load_params, parse_sets
@@ -109,6 +109,9 @@ def main(argv=None) -> int:
     except Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 130
+    except TrainingFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result.as_dict()))
     return 0
 
