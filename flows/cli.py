@@ -150,27 +150,27 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     settings.apply()
     args = parser().parse_args(argv)
-    from hybridcore.errors import InputError, TrainingFault
+    from hybridcore.errors import InputError, TrainingFault, say
     from hybridcore.interrupts import Interrupted
     try:
         return args.fn(args)
     except InputError as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except (KeyboardInterrupt, Interrupted) as e:
-        print(f"interrupted: {e or 'by the user'}", file=sys.stderr)
+        say(f"interrupted: {e or 'by the user'}")
         return 130
     except TrainingFault as e:  # NaN/inf, a checkpoint that could not be written: what happened, what was kept
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 1
     except Exception as e:  # anything else is our bug or the machine's: say what, and how to see more
         if args.debug:
             raise
-        print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        say(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)")
         return 1
 
 

@@ -13,6 +13,14 @@ def one_line(text: str) -> str:
     return text
 
 
+def say(text: str) -> None:
+    """Print one line to stderr on a line of its own, even while a progress bar is being drawn there."""
+    import sys
+
+    from tqdm import tqdm
+    tqdm.write(one_line(text), file=sys.stderr)
+
+
 class InputError(Exception):
     """A user's input (params, data, model folder) is wrong; the message names it, what was found and what
     was expected, on one line."""

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import json
     import sys
 
-    from hybridcore.errors import InputError, TrainingFault
+    from hybridcore.errors import InputError, TrainingFault, say
     from hybridcore.interrupts import Interrupted, install_handlers
     from stages.keys import stage_keys
     from stages.params import load_params, parse_sets
@@ -104,13 +104,13 @@ def main(argv=None) -> int:
         params = load_params(args.params, parse_sets(args.set))
         result = run_stage(params, args.stage, stage_keys(params))
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except Interrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
+        say(f"interrupted: {e}")
         return 130
     except TrainingFault as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 1
     print(json.dumps(result.as_dict()))
     return 0
