@@ -41,15 +41,34 @@ def summary_table(summary: dict) -> str:
 
 
 class _ShortInputErrors(logging.Filter):
-    """Prefect logs a failing task's traceback; for a user's input error, a requested stop or a fault the
-    stage detected itself one line says it all."""
+    """Prefect logs a failing task's traceback and repeats its message in state lines; for a user's input
+    error, a requested stop or a fault the stage detected itself, the CLI's own one line says it all."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from hybridcore.errors import InputError, TrainingFault
-        from hybridcore.interrupts import Interrupted
-        if record.exc_info and isinstance(record.exc_info[1], (InputError, Interrupted, TrainingFault)):
+        ours = _our_errors()
+        if record.exc_info and isinstance(record.exc_info[1], ours):
             record.exc_info, record.exc_text = None, None
+        if record.name.startswith("prefect"):
+            message = record.getMessage()
+            if any(f"{cls.__name__}:" in message or f"{cls.__name__}(" in message for cls in _subclasses(ours)):
+                return False  # "Task run 'sft' - Finished in state Failed('... NonFinite: ...')" and the like
         return True
+
+
+def _our_errors() -> tuple[type, ...]:
+    from hybridcore.errors import InputError, TrainingFault
+    from hybridcore.interrupts import Interrupted
+    return InputError, Interrupted, TrainingFault
+
+
+def _subclasses(roots) -> set[type]:
+    seen, todo = set(), list(roots)
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return seen
 
 
 def cmd_run(args) -> int:

@@ -49,3 +49,15 @@ def test_input_error_is_one_line_exit_2(case, tmp_path, tiny_run):
         assert text in lines[0], lines[0]
     for stage, r in tiny_run.summary["stages"].items():
         assert read_verified(Path(r["artifact"])) is not None, stage
+
+
+def test_fault_inside_a_stage_is_one_line_exit_1(tmp_path):
+    """A NaN found mid-SFT through the whole flow: exit code 1, no traceback, and the message appears once (the
+    CLI's `error:` line), not again in Prefect's task and flow state lines."""
+    from hybridcore.interrupts import FAULT_ENV
+    proc = run_cli(["run", str(ROOT / "params" / "test.yaml"), "--set", "tracking.enabled=false"], tmp_path,
+                   timeout=300, extra_env={FAULT_ENV: "sft:nan:1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    mentions = [x for x in proc.stderr.splitlines() if "loss=nan" in x]
+    assert len(mentions) == 1 and mentions[0].startswith("error: sft step 1: loss=nan"), proc.stderr[-2000:]
