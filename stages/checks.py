@@ -2,7 +2,8 @@
 
 `preflight` looks at everything a run will read or write without training anything: the artifact folder
 and its disk, the model folder (config, safetensors headers, no code to run), its tokenizer against the
-embedding size, the context length against max_seq_len and max_new_tokens, users' data files (format,
+embedding size, the context length against max_seq_len and max_new_tokens, the memory that the weights,
+gradients and optimizer states alone need against what the machine has, users' data files (format,
 columns, enough rows for one batch) and, when the tokenizer is known up front, every row's token length.
 Each problem is an InputError naming the field or file, what was found and what was expected.
 """
@@ -32,6 +33,7 @@ def preflight(p: Params) -> None:
     tok, positions, where = _model(p)
     _context(p, positions, where)
     _disk(p, root)
+    _memory(p)
     tables = {kind: data.read_table(getattr(p.data, kind).path, kind)
               for kind in data.COLUMNS if getattr(p.data, kind).path is not None}
     _batches(p, tables)
@@ -110,6 +112,57 @@ def _weights_bytes(p: Params) -> int:
     n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
          else preset_param_count(p.model.preset))
     return n * per_param
+
+
+BYTES = {"fp32": 4, "bf16": 2}
+QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5}
+# Which roles each stage holds, and whether it trains them (AdamW: gradient + two states, in the weights' dtype)
+HOLDS = {"sft": (("actor", True),), "reward": (("reward", True),),
+         "ppo": (("actor", True), ("critic", True), ("reference", False), ("reward", False)),
+         "evaluate": (("actor", False), ("actor", False), ("reward", False))}
+
+
+def static_bytes(p: Params, stage: str, n_params: int) -> int:
+    """Weights, gradients and optimizer states of every model `stage` holds: a floor under its peak (no
+    activations, no KV cache). A quantised weight counts its packed size; LoRA's adapters are ~1 % and left out;
+    with share_base the actor's base serves critic and reference, so it counts once."""
+    total = 0.0
+    for i, (role, trained) in enumerate(HOLDS[stage]):
+        r = getattr(p.engine.roles, role)
+        if stage == "ppo" and p.engine.share_base and role in ("critic", "reference"):
+            continue
+        dtype = BYTES[r.precision or p.engine.precision]
+        total += n_params * QUANT_BYTES.get(r.quantization, dtype)
+        if trained and r.lora is None:
+            total += n_params * 3 * dtype
+    return int(total)
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes, where): what the stages can use today. They run on the CPU, so that is RAM not in use."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "this machine's available RAM"
+    except OSError:
+        pass
+    import psutil
+    return psutil.virtual_memory().available, "this machine's available RAM"
+
+
+def _memory(p: Params) -> None:
+    """Refuse a run whose weights, gradients and optimizer states alone cannot fit: it would only fail (or
+    swap) hours in. Activations come on top, so passing this check is necessary, not sufficient."""
+    from hybridcore.models import param_count_of_folder, preset_param_count
+    n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
+         else preset_param_count(p.model.preset))
+    stage, need = max(((s, static_bytes(p, s, n)) for s in stage_list(p)), key=lambda x: x[1])
+    have, where = available_memory()
+    if need <= have:
+        return
+    raise InputError(f"engine: {stage} needs at least {_size(need)} for the weights, gradients and optimizer "
+                     f"states of a {n / 1e9:.2f}B-parameter model but {where} is {_size(have)} (expected at most "
+                     f"that): use 4-bit or 8-bit roles with LoRA, engine.share_base, bf16, or a smaller model")
 
 
 def _all_cached(p: Params) -> bool:

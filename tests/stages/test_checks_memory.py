@@ -1,0 +1,43 @@
+"""The pre-flight memory floor: weights, gradients and optimizer states per stage, and the refusal when
+the machine has less than that."""
+from __future__ import annotations
+
+import pytest
+
+from hybridcore.errors import InputError
+from stages import checks
+from stages.params import Params, load_params
+
+N = 10**9  # parameters: round numbers make the byte counts readable
+
+
+def test_floor_counts_each_role_its_precision_and_training_state():
+    p = load_params("test")  # fp32 everywhere
+    # PPO: actor and critic trained (weights + grad + 2 AdamW states = 16 B), reference and RM frozen (4 B)
+    assert checks.static_bytes(p, "ppo", N) == (16 + 16 + 4 + 4) * N
+    assert checks.static_bytes(p, "sft", N) == 16 * N
+    assert checks.static_bytes(p, "evaluate", N) == 3 * 4 * N
+
+
+def test_floor_with_qlora_and_a_shared_base():
+    """4-bit actor with LoRA on a shared base: the base counts once at half a byte; the bf16 RM stays."""
+    doc = load_params("test").model_dump(mode="json")
+    lora = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]}
+    doc["engine"].update(precision="bf16", share_base=True,
+                         roles={"actor": {"quantization": "4bit", "lora": lora},
+                                "critic": {"quantization": "4bit", "lora": lora}})
+    p = Params.model_validate(doc)
+    assert checks.static_bytes(p, "ppo", N) == int((0.5 + 2) * N)
+    assert checks.static_bytes(p, "reward", N) == 4 * 2 * N  # the RM stage trains a full bf16 model
+
+
+def test_preflight_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks, "available_memory", lambda: (2**20, "the test's RAM"))
+    p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path)}})
+    with pytest.raises(InputError) as e:
+        checks.preflight(p)
+    msg = str(e.value)
+    assert msg.startswith("engine: ppo needs at least") and "the test's RAM is 1 MiB" in msg, msg
+    assert "4-bit" in msg and "\n" not in msg
+    monkeypatch.setattr(checks, "available_memory", lambda: (2**40, "the test's RAM"))
+    checks.preflight(p)  # the same run passes with room to spare
