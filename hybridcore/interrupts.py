@@ -4,6 +4,7 @@ A stop request only sets a flag; training loops check it after each step, write 
 raise `Interrupted`, so a stopped run resumes exactly. `HYBRID_RLHF_FAULT="<stage>:<step>"` makes the
 process SIGKILL itself just before that step (`<stage>:checkpoint:<step>` halfway through writing that
 step's checkpoint, `<stage>:term:<step>` sends SIGTERM instead): the kill tests use it to stop at chosen points without timing races.
+`<stage>:oom:<step>` raises torch.OutOfMemoryError once inside that step (hybridcore/oom.py backs off from it).
 """
 from __future__ import annotations
 
@@ -73,3 +74,11 @@ def fault_point(stage: str, *where) -> None:
 def fault_active(*where) -> bool:
     """True if HYBRID_RLHF_FAULT names this point (for faults other than a kill, e.g. "sft:nan:5")."""
     return os.environ.get(FAULT_ENV) == ":".join(str(w) for w in where)
+
+
+def oom_point(stage: str, step: int) -> None:
+    """Raise torch.OutOfMemoryError if HYBRID_RLHF_FAULT is "<stage>:oom:<step>", as a full accelerator would."""
+    if fault_active(stage, "oom", step):
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out-of-memory error ({FAULT_ENV}={stage}:oom:{step})")

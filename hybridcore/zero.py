@@ -1,0 +1,287 @@
+"""TrainEngine: one model + AdamW + warm-up/cosine schedule, stepped either by plain torch or by DeepSpeed ZeRO.
+
+Stages keep their own micro-batch loop (the loss already divided by the step's token count) and call
+backward() per micro-batch and step() at the boundary; DeepSpeed runs with managed_gradient_accumulation off
+so that it never rescales the loss or decides the boundary itself. Both backends share optim.py's semantics:
+betas (0.9, 0.95), decay only on >= 2-D parameters, clipping at max_grad_norm, a LambdaLR warm-up + cosine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from hybridcore import optim
+from hybridcore.errors import InputError, NotYetSupported
+from hybridcore.parallel import Groups, Layout, ensure_process_group, validate
+
+# A persistent folder for DeepSpeed's JIT-built ops (CPUAdam takes ~1-2 min to build once); .gitignore has it.
+DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parent.parent / ".torch_extensions"
+TAG = "engine"
+
+
+def backend_for(layout: Layout) -> str:
+    """Plain torch when nothing is sharded, offloaded or replicated; DeepSpeed otherwise."""
+    plain = (layout.zero_stage == 0 and layout.dp == 1 and layout.tp == 1
+             and not layout.offload_optimizer and not layout.offload_params)
+    return "torch" if plain else "deepspeed"
+
+
+def ds_config(layout: Layout, bf16: bool, max_grad_norm: float, micro_batch: int, cpu_adam: bool,
+              bucket_elements: int) -> dict:
+    """The DeepSpeed config for `layout`. Accumulation stays with the caller (one DeepSpeed step per our step)."""
+    zero: dict = {"stage": layout.zero_stage}
+    if layout.zero_stage in (1, 2):
+        # buckets sized to the model (DeepSpeed's 5e8-element default would allocate GiBs for a tiny model)
+        zero.update(reduce_bucket_size=bucket_elements, allgather_bucket_size=bucket_elements)
+    if layout.zero_stage == 3:
+        zero.update(reduce_bucket_size=bucket_elements, stage3_prefetch_bucket_size=bucket_elements,
+                    stage3_param_persistence_threshold=0)  # every parameter partitioned, none kept whole
+    pin = torch.cuda.is_available()
+    if layout.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if layout.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": cpu_adam,
+        "steps_per_print": 2 ** 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _storages(tensors) -> dict[tuple, tuple[int, str]]:
+    """Distinct storages among `tensors` (views of one buffer count once): key -> (bytes, device type)."""
+    seen: dict[tuple, tuple[int, str]] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() == 0:
+            continue
+        seen[(t.device.type, t.device.index, s.data_ptr())] = (s.nbytes(), t.device.type)
+    return seen
+
+
+def _flatten(obj):
+    """Tensors inside nested lists/tuples/dicts (DeepSpeed keeps its buffers in all three)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _flatten(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _flatten(v)
+
+
+class TrainEngine:
+    """model + optimizer + schedule; `backward(loss)` per micro-batch, `step()` at the boundary.
+
+    Call `engine.model(...)` for training forwards (the DeepSpeed engine, or the module itself); `engine.module`
+    is the plain nn.Module (its attributes, evaluation, export through full_state_dict())."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, total_steps: int, warmup_ratio: float,
+                 max_grad_norm: float, weight_decay: float = 0.0, min_lr_ratio: float = 0.1,
+                 layout: Layout | None = None, groups: Groups | None = None, micro_batch: int = 1,
+                 cpu_adam: bool = True):
+        """cpu_adam: with offload_optimizer, step with DeepSpeedCPUAdam (the fast, JIT-built op; what a GPU run
+        wants) rather than torch's AdamW on the CPU partition (same maths, no build)."""
+        self.layout = Layout.of(layout or Layout())
+        validate(self.layout)
+        self.backend = backend_for(self.layout)
+        self.max_grad_norm = max_grad_norm
+        if self.backend == "torch":
+            self.module = self.model = model
+            self.optimizer = optim.adamw(model, lr, weight_decay)
+            self.scheduler = optim.warmup_cosine(self.optimizer, total_steps, warmup_ratio, min_lr_ratio)
+            self.ds = None
+            return
+        if groups is not None and groups.world != self.layout.world:
+            raise ValueError(f"groups are for world {groups.world}, layout for {self.layout.world}")
+        import deepspeed  # only when asked for: the GPU machine may not have it
+
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+        ensure_process_group()
+        world = torch.distributed.get_world_size()
+        if world != self.layout.world:
+            raise InputError(f"engine.layout: dp={self.layout.dp} x tp={self.layout.tp} = {self.layout.world} "
+                             f"processes, but this run has {world}; start it with torchrun --nproc-per-node "
+                             f"{self.layout.world}")
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        if dtypes - {torch.float32, torch.bfloat16} or len(dtypes) != 1:
+            raise NotYetSupported(f"DeepSpeed training of parameters in {sorted(map(str, dtypes))}",
+                                  "the memory issue (#5): fp32 or bf16 only")
+        bf16 = dtypes == {torch.bfloat16}
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        bucket = max(2 ** 20, -(-n // 32) * 32)
+        offload_adam = self.layout.offload_optimizer and cpu_adam
+        groups_ = _param_groups(model, weight_decay)
+        if offload_adam:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            opt = DeepSpeedCPUAdam(groups_, lr=lr, betas=(0.9, 0.95), adamw_mode=True)
+        else:
+            opt = torch.optim.AdamW(groups_, lr=lr, betas=(0.9, 0.95))
+        sched = optim.warmup_cosine(opt, total_steps, warmup_ratio, min_lr_ratio)
+        config = ds_config(self.layout, bf16, max_grad_norm, micro_batch, cpu_adam=offload_adam,
+                           bucket_elements=bucket)
+        # tp = 1 (validate refuses more), so DeepSpeed's data-parallel group is the whole world: no mpu needed
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=config, dist_init_required=False)
+        self.module = self.ds.module
+        # training forwards go through the DeepSpeed engine: its forward() advances ZeRO's micro-step count,
+        # without which ZeRO-3 overwrites (instead of adds) each micro-batch's gradient partition
+        self.model = self.ds
+        self._client_optimizer = opt
+
+    # ------------------------------------------------------------------------------------------ training
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss`: the caller divides by the step's token (or row) count over ALL
+        ranks, so the gradients sum across ranks; DeepSpeed averages over dp, hence the factor dp."""
+        if self.ds is None:
+            loss.backward()
+        else:
+            self.ds.backward(loss * self.layout.dp if self.layout.dp > 1 else loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """Clip, update, advance the schedule, clear grads; returns the pre-clip global gradient norm."""
+        if self.ds is None:
+            return optim.step(self.module, self.optimizer, self.scheduler, self.max_grad_norm)
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        self.ds.zero_grad()
+        return float(norm) if norm is not None else float("nan")
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated so far in this step (a skipped or redone step)."""
+        if self.ds is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.ds.zero_grad()
+        opt = self.ds.optimizer
+        if hasattr(opt, "zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        _reset_partitioned_grads(opt)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight whole, as CPU copies (ZeRO-3 gathers its shards; all ranks must call it), for export."""
+        if self.layout.zero_stage != 3:
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        import deepspeed
+
+        params = list(self.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Optimizer and schedule state (torch backend): drops into Checkpointer's `stateful`."""
+        if self.ds is not None:
+            raise NotYetSupported("TrainEngine.state_dict() under DeepSpeed (each rank holds a shard; use "
+                                  "save(folder)/load(folder))", "the 3D sharding issue (#8)")
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ds is not None:
+            raise NotYetSupported("TrainEngine.load_state_dict() under DeepSpeed (use load(folder))",
+                                  "the 3D sharding issue (#8)")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["schedule"])
+
+    def save(self, folder: Path) -> None:
+        """Every rank writes its own shard into `folder` (DeepSpeed's format under DeepSpeed; a weights_only
+        torch file otherwise). Model weights are included so that ZeRO-3 shards restore too."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.ds is None:
+            torch.save({"model": self.module.state_dict(), **self.state_dict()}, folder / "engine.pt")
+        else:
+            self.ds.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        (folder / "engine.json").write_text(json.dumps({"backend": self.backend, "layout": vars(self.layout)}))
+
+    def load(self, folder: Path) -> None:
+        """Restore what save() wrote; the layout must be the one it was saved with."""
+        folder = Path(folder)
+        saved = json.loads((folder / "engine.json").read_text())
+        if saved["layout"] != vars(self.layout):
+            raise NotYetSupported(f"resuming a checkpoint saved with layout {saved['layout']} under layout "
+                                  f"{vars(self.layout)} (resharding)", "the 3D sharding issue (#8)")
+        if self.ds is None:
+            blob = torch.load(folder / "engine.pt", weights_only=True)
+            self.module.load_state_dict(blob.pop("model"))
+            self.load_state_dict(blob)
+        else:
+            path, _ = self.ds.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+            if path is None:
+                raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint tagged {TAG!r}")
+
+    # ------------------------------------------------------------------------------------------ memory
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by kind: params, grads, optimizer (fp32 master partition + moments),
+        buffers (DeepSpeed's communication and offload staging buffers)."""
+        params = [p for p in self.module.parameters()]
+        out = {"params": [p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params],
+               "grads": [p.grad for p in params], "optimizer": [], "buffers": []}
+        inner = self._client_optimizer if self.ds is not None else self.optimizer
+        out["optimizer"] += list(_flatten([dict(s) for s in inner.state.values()]))
+        if self.ds is None:
+            return out
+        zo = self.ds.optimizer
+        out["optimizer"] += list(_flatten(getattr(zo, "single_partition_of_fp32_groups", [])))
+        out["optimizer"] += list(_flatten(getattr(zo, "fp32_partitioned_groups_flat", [])))
+        for name in ("grads_in_partition", "averaged_gradients", "all_grad_tensors", "accumulated_grads_in_cpu",
+                     "grad_partitions_flat_buffer", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"):
+            out["grads"] += list(_flatten(getattr(zo, name, None)))
+        out["grads"] += [t.grad for t in _flatten(getattr(zo, "single_partition_of_fp32_groups", []))]
+        out["grads"] += [t.grad for t in _flatten(getattr(zo, "fp32_partitioned_groups_flat", []))]
+        for name in ("param_buffer_of_bit16_for_cpu_offload_groups",):
+            out["buffers"] += list(_flatten(getattr(zo, name, [])))
+        for bucket in getattr(zo, "ipg_buckets", {}).values():
+            out["buffers"] += list(_flatten(getattr(bucket, "buffer", [])))
+        return out
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of distinct storages this rank holds, by kind (a storage counts once, under its first kind)."""
+        counted: set = set()
+        result = {}
+        for kind, tensors in self.held_tensors().items():
+            stor = {k: v for k, v in _storages(tensors).items() if k not in counted}
+            counted |= stor.keys()
+            result[kind] = sum(b for b, _ in stor.values())
+        return result
+
+    def optimizer_bytes(self) -> dict[str, int]:
+        """Optimizer-state bytes (moments + any fp32 master partition) on the accelerator vs on the CPU."""
+        stor = _storages(self.held_tensors()["optimizer"])
+        device = sum(b for b, kind in stor.values() if kind != "cpu")
+        return {"device": device, "cpu": sum(b for b, kind in stor.values() if kind == "cpu")}
+
+
+def _reset_partitioned_grads(zo) -> None:
+    """ZeRO-2/3 reduce gradients into partitions during backward; a redone step must start from zero there too."""
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+        buf = getattr(zo, name, None)
+        if isinstance(buf, torch.Tensor):
+            buf.zero_()
+    for name in ("all_grad_tensors", "accumulated_grads_in_cpu", "averaged_gradients"):
+        for t in _flatten(getattr(zo, name, None)):
+            t.zero_()
