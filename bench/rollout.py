@@ -2,14 +2,18 @@
 
     python bench/rollout.py --out DIR            # CUDA: Qwen2.5-1.5B shape, bf16, 256 prompt + 256 new tokens
     python bench/rollout.py --out DIR --tiny     # CPU, seconds: the same code paths on a tiny shape
-    python bench/rollout.py --out DIR --compile  # also native with a torch.compile'd decode step (opt-in)
+    python bench/rollout.py --out DIR --tiny --compile   # ... also the compiled step on CPU
 
-One call measures, in this order (each section and native variant guarded, results written after each one,
-so a failure costs only what it touches, and a kill keeps what was measured): native tokens/s (CUDA graph; eager; sampled), greedy
-correctness against generate in fp32, the train <-> rollout transition with and without optimizer offload,
-then the baselines: generate with the dynamic cache and with cache_implementation="static" (transformers
-compiles that one on CUDA, so it runs last and only while the budget lasts). Every run is forced to exactly
-256 new tokens (no EOS), so tokens/s compare like with like. Needs only torch + transformers.
+One call measures, in this order (each section and variant guarded, results written after each one, so a
+failure costs only what it touches, and a kill keeps what was measured): `native` tokens/s as the backend
+runs by default (on CUDA: torch.compile'd step captured in a CUDA graph), greedy and sampled; a profile of
+the decode step and the prefill (kernel time by kind, kernels per step, graph replay time; compiled and
+not); greedy correctness against generate in fp32 (share of positions that agree, per variant); the train
+<-> rollout transition with and without optimizer offload; the baselines, generate with the dynamic cache
+and with cache_implementation="static" (transformers compiles that one on CUDA, so it runs only while the
+budget lasts); last, while the budget lasts, the other native variants (graph without compile; eager).
+Every run is forced to exactly 256 new tokens (no EOS), so tokens/s compare like with like. Needs only
+torch + transformers.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from bench.decode_profile import profile_decoder, profile_prefill  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.rollout import HFGenerate, NativeRollout  # noqa: E402
 
@@ -86,11 +91,12 @@ def row(name, batch, new, first_s, times, out, extra=None):
 # ------------------------------------------------------------------------------------------------ sections
 
 
-def variants(device, compiled: bool) -> list[tuple[str, bool, bool]]:
-    """(name, CUDA graph, torch.compile) of the native runs; "native" first, the others are compared to it."""
-    cuda = device.type == "cuda"
-    out = [("native", cuda, False)] + ([("native-compiled", cuda, True)] if compiled else [])
-    return out + ([("native-eager", False, False)] if cuda else [])
+def variants(device, compiled: bool) -> list[tuple[str, bool | None, bool | None]]:
+    """(name, CUDA graph, torch.compile) of the native runs; "native" (the backend's defaults) first, the others
+    are compared to it. None = the backend decides (on CUDA: graph and compile)."""
+    if device.type == "cuda":
+        return [("native", None, None), ("native-graph-uncompiled", True, False), ("native-eager", False, False)]
+    return [("native", None, None)] + ([("native-compiled", False, True)] if compiled else [])
 
 
 def agreement(out, ref) -> str:
@@ -101,38 +107,44 @@ def agreement(out, ref) -> str:
     return f"{int(same.all(1).sum())}/{len(out)} rows, mean common prefix {prefix:.1f}"
 
 
-def native_speed(model, a, res, device):
-    """Native loop inside the actor's rollout: the first call allocates the cache and captures the graph."""
+def native_speed(model, a, res, device, which, outputs, t_start=None):
+    """Native loop inside the actor's rollout: the first call allocates the cache, compiles (once per process and
+    shape) and captures the graph. `which` selects variants by index; later variants stop when the budget ends."""
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=None)
-    rows, outputs = [], {}
-    for name, graph, compiled in variants(device, a.compile):
+    rows = res.setdefault("native", [])
+    for name, graph, compiled in [variants(device, a.compile)[i] for i in which
+                                  if i < len(variants(device, a.compile))]:
         for batch in a.batches:
+            if t_start is not None and a.budget_s - (time.perf_counter() - t_start) < a.extra_reserve_s:
+                rows.append({"backend": name, "batch": batch, "skipped": "budget"})
+                continue
             try:
                 native_run(model, a, device, tok, rows, outputs, name, graph, compiled, batch)
             except Exception:  # one variant failing must not cost the others
                 res["errors"][f"native:{name}:{batch}"] = traceback.format_exc()
                 traceback.print_exc()
-            res["native"] = rows
             a.flush(res)
-    return outputs
 
 
 def native_run(model, a, device, tok, rows, outputs, name, graph, compiled, batch):
-    """One variant at one batch size: a first call (allocation, capture, compile), then timed calls."""
+    """One variant at one batch size: a first call (allocation, compile, capture), then timed calls."""
     ids, mask = prompts(batch, a.prompt, model.config.vocab_size, device, seed=batch)
     actor = HybridActor(model, tok)
     actor.backend = NativeRollout(model, cuda_graph=graph, compile=compiled)
     with actor.rollout():
         gen = lambda **kw: actor.backend.generate(ids, mask, a.new, eos_id=None, pad_id=PAD, **kw)  # noqa
         out, (first,) = timed(lambda: gen(greedy=True), device, 1)
-        out, times = timed(lambda: gen(greedy=True), device, a.repeats if graph else 1)
+        st = actor.backend.last_stats
+        fast = st["cuda_graph"] or st["compiled"]
+        out, times = timed(lambda: gen(greedy=True), device, a.repeats if fast else 1)
         st = actor.backend.last_stats
         step_s = st["decode_s"] / max(st["steps"] - 1, 1)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        extra = {"prefill_s": st["prefill_s"], "decode_step_ms": 1e3 * step_s,
+        extra = {"prefill_s": st["prefill_s"], "decode_step_ms": 1e3 * step_s, "cuda_graph": st["cuda_graph"],
+                 "compiled": st["compiled"], "compile_error": st["compile_error"],
                  "kv_cache_bytes": st["kv_cache_bytes"],
                  "decode_GBps_weights_plus_kv": (weights + st["kv_cache_bytes"]) / step_s / 1e9}
-        if name != "native":
+        if name != "native" and batch in outputs:
             extra["rows_equal_to_native"] = agreement(out, outputs[batch])
         rows.append(row(name, batch, a.new, first, times, out, extra))
         if name == "native":
@@ -146,9 +158,41 @@ def native_run(model, a, device, tok, rows, outputs, name, graph, compiled, batc
                 rows.append(row(label, batch, a.new, None, times, out))
 
 
+def profile_section(model, a, res, device):
+    """Kernel breakdown of the decode step at the largest batch (uncompiled and compiled) and of the prefill."""
+    batch = max(a.batches)
+    ids, mask = prompts(batch, a.prompt, model.config.vocab_size, device, seed=batch)
+    report = res.setdefault("profile", {"batch": batch, "steps": a.profile_steps})
+    for label, compiled in (("decode_uncompiled", False), ("decode_compiled", True)):
+        if compiled and not (device.type == "cuda" or a.compile):
+            continue
+        r = NativeRollout(model, cuda_graph=False, compile=compiled)
+        r.enter()
+        try:
+            report[label] = profile_decoder(r, ids, mask, PAD, a.new, a.profile_steps)
+            if label == "decode_uncompiled":
+                report["prefill"] = profile_prefill(r, ids, mask, PAD)
+        except Exception:
+            res["errors"][f"profile:{label}"] = traceback.format_exc()
+            traceback.print_exc()
+        finally:
+            r.exit()
+        a.flush(res)
+
+
+def positions_agree(out: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of response positions (over the longer of each pair of rows) where the tokens are equal."""
+    total = same = 0
+    for x, y in zip(out, ref):
+        total += max(len(x), len(y))
+        same += sum(int(p == q) for p, q in zip(x, y))
+    return same / max(total, 1)
+
+
 def correctness(model, a, res, device):
-    """fp32 greedy tokens of native (graph and eager) vs generate, on left-padded prompts of mixed lengths,
-    first forced to full length, then with an EOS made from the most frequent greedy token (rows stop early)."""
+    """fp32 greedy tokens of every native variant vs generate, on left-padded prompts of mixed lengths, first
+    forced to full length, then with an EOS made from the most frequent greedy token (rows stop early).
+    Passes when every variant agrees with generate on >= 99 % of positions in both cases."""
     ref = copy.deepcopy(model).float()
     tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=None)
     g = torch.Generator().manual_seed(7)
@@ -167,26 +211,34 @@ def correctness(model, a, res, device):
                 try:
                     with actor.rollout():
                         outs[name] = actor.generate(ps, a.check_new, greedy=True)
+                        if name != "hf":
+                            st = actor.backend.last_stats
+                            report.setdefault("variants", {})[name] = {
+                                k: st[k] for k in ("cuda_graph", "compiled", "compile_error")}
                 except Exception:
                     if name == "hf":
                         raise
                     res["errors"][f"correctness:{name}:{case}"] = traceback.format_exc()
-                    outs[name] = None
+                    outs[name] = []
             if case == "forced_length":
                 tok.eos_token_id = Counter(t for r in outs["hf"] for t in r).most_common(1)[0][0]
             report[case] = {"equal": all(outs[n] == outs["hf"] for n in outs),
-                            "equal_by_variant": {n: outs[n] == outs["hf"] for n in outs if n != "hf"},
+                            "agreement": {n: positions_agree(outs[n], outs["hf"]) for n in outs if n != "hf"},
                             "response_lengths": [len(r) for r in outs["hf"]], **outs}
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
         del ref
     report["equal"] = report["forced_length"]["equal"] and report["with_eos"]["equal"]
+    report["min_agreement"] = min(v for c in ("forced_length", "with_eos") for v in report[c]["agreement"].values())
+    report["passed"] = report["min_agreement"] >= 0.99
     res["correctness"] = report
     a.flush(res)
 
 
 def transitions(model, a, res, device):
-    """One real training step (AdamW state exists), then rollouts with and without optimizer offload."""
+    """One real training step (AdamW state exists), then rollouts with and without optimizer offload. A rollout's
+    first generate also allocates the KV cache and captures the graph (the compile is cached per process):
+    its time is recorded as generate_s beside the rollout's decode time."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids, _ = prompts(a.train_batch, a.prompt + a.new, model.config.vocab_size, device, seed=99)
     model.train()
@@ -205,7 +257,8 @@ def transitions(model, a, res, device):
             before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
             with actor.rollout():
                 inside = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                actor.generate(ps, a.new, greedy=True)
+                _, (gen_s,) = timed(lambda: actor.generate(ps, a.new, greedy=True), device, 1)
+                st = actor.backend.last_stats
                 during = torch.cuda.memory_allocated() if device.type == "cuda" else 0
             rows.append({"offload_optimizer": offload, "rep": rep, "batch": batch, "new_tokens": a.new,
                          "enter_s": actor.last_transition_s["enter"], "exit_s": actor.last_transition_s["exit"],
@@ -213,7 +266,9 @@ def transitions(model, a, res, device):
                          "exit_bytes": actor.last_transition_bytes["exit"],
                          "kv_cache_bytes": actor.last_transition_bytes["kv_cache"],
                          "allocated_before": before, "allocated_after_enter": inside,
-                         "allocated_after_generate": during})
+                         "allocated_after_generate": during, "generate_s": gen_s,
+                         "generate_prefill_plus_decode_s": st["prefill_s"] + st["decode_s"],
+                         "compiled": st["compiled"], "cuda_graph": st["cuda_graph"]})
         res["transitions"] = {"optimizer_state_bytes": state_bytes, "rows": rows}
         a.flush(res)
     model.train()
@@ -264,8 +319,11 @@ def table(res) -> str:
             continue
         notes = []
         if "decode_step_ms" in r:
-            notes.append(f"prefill {r['prefill_s']:.3f}s, step {r['decode_step_ms']:.2f}ms, "
+            how = "+".join(k for k in ("compiled", "cuda_graph") if r[k]) or "eager"
+            notes.append(f"{how}: prefill {r['prefill_s']:.3f}s, step {r['decode_step_ms']:.2f}ms, "
                          f"~{r['decode_GBps_weights_plus_kv']:.0f} GB/s (weights+KV)")
+            if r.get("compile_error"):
+                notes.append(f"compile FAILED, fell back: {r['compile_error']}")
         for key in ("rows_equal_to_native", "rows_equal_to_hf_dynamic"):
             if key in r:
                 notes.append(f"greedy vs {key[len('rows_equal_to_'):]}: {r[key]}")
@@ -275,31 +333,52 @@ def table(res) -> str:
     t = res.get("transitions")
     if t:
         lines += ["", f"Transitions (AdamW state {t['optimizer_state_bytes'] / 2**30:.2f} GiB):", "",
-                  "| offload optimizer | rep | enter s | exit s | enter MiB | exit MiB | KV cache MiB | allocated before MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| offload optimizer | rep | enter s | exit s | first generate s (prefill+decode s) | enter MiB | "
+                  "exit MiB | KV cache MiB | allocated before MiB |", "|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             lines.append(f"| {r['offload_optimizer']} | {r['rep']} | {r['enter_s']:.3f} | {r['exit_s']:.3f} | "
+                         f"{r['generate_s']:.3f} ({r['generate_prefill_plus_decode_s']:.3f}) | "
                          f"{r['enter_bytes'] / 2**20:,.0f} | {r['exit_bytes'] / 2**20:,.0f} | "
                          f"{r['kv_cache_bytes'] / 2**20:,.0f} | {r['allocated_before'] / 2**20:,.1f} |")
     c = res.get("correctness")
     if c:
+        agree = {case: ", ".join(f"{n} {v:.1%}" for n, v in c[case]["agreement"].items())
+                 for case in ("forced_length", "with_eos")}
         lines += ["", f"Correctness (fp32 greedy, batch {c['batch']}, prompt lengths {c['prompt_lengths']}, "
-                      f"{c['new_tokens']} new): native == generate: {c['equal']} (forced length: "
-                      f"{c['forced_length']['equal']}; with eos, lengths {c['with_eos']['response_lengths']}: "
-                      f"{c['with_eos']['equal']})"]
+                      f"{c['new_tokens']} new): passed (>= 99 % of positions): {c['passed']}; token for token: "
+                      f"{c['equal']}. Positions agreeing with generate, forced length: {agree['forced_length']}; "
+                      f"with eos (lengths {c['with_eos']['response_lengths']}): {agree['with_eos']}"]
+    lines += profile_table(res.get("profile"))
     for k, v in res.get("errors", {}).items():
         lines.append(f"\nERROR in {k}: {v.strip().splitlines()[-1]}")
     return "\n".join(lines)
+
+
+def profile_table(p) -> list[str]:
+    if not p:
+        return []
+    lines = ["", f"Profile at batch {p['batch']} ({p['steps']} decode steps; ms per step or per prefill):", "",
+             "| what | kernels | kernel ms | wall ms | by kind (ms) |", "|---|---|---|---|---|"]
+    for label in ("decode_uncompiled", "decode_compiled", "prefill"):
+        if label not in p:
+            continue
+        r, k = p[label], p[label]["kernels"]
+        wall = f"{r['wall_ms']:.2f}" if "wall_ms" in r else f"eager {r['eager_step_ms']:.2f}" + (
+            f", graph {r['graph_step_ms']:.2f}" if "graph_step_ms" in r else "")
+        kinds = ", ".join(f"{n} {v:.3f}" for n, v in k["ms_by_kind"].items())
+        lines.append(f"| {label} | {k['kernels_per_unit']:.0f} | {k['total_ms']:.3f} | {wall} | {kinds} |")
+    return lines
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU, fp32: a smoke test in seconds")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting baseline runs after this")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="seconds after which no static-cache baseline or extra native variant is started")
     ap.add_argument("--commit", default="")
     ap.add_argument("--compile", action="store_true",
-                    help="also run native with its decode step through torch.compile (opt-in; slow to build on CPU)")
+                    help="CPU only: also run native with a compiled step (on CUDA the default native run compiles)")
     a = ap.parse_args()
     tiny = a.tiny
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -307,7 +386,8 @@ def main():
     a.batches, a.prompt, a.new = ([2, 4], 16, 16) if tiny else ([64, 256], 256, 256)
     a.repeats, a.train_batch = (1, 2) if tiny else (3, 4)
     a.check_batch, a.check_new = (6, 12) if tiny else (6, 48)
-    a.static_reserve_s = 0 if tiny else 100
+    a.static_reserve_s, a.extra_reserve_s = (0, 0) if tiny else (100, 40)
+    a.profile_steps = 4 if tiny else 8
     dtype = torch.float32 if tiny else torch.bfloat16
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -327,10 +407,12 @@ def main():
     model = build(a.shape, dtype, device)
     res["env"]["params"] = sum(p.numel() for p in model.parameters())
     native_out = {}
-    for name, fn in (("native", lambda: native_out.update(native_speed(model, a, res, device))),
+    for name, fn in (("native", lambda: native_speed(model, a, res, device, [0], native_out)),
+                     ("profile", lambda: profile_section(model, a, res, device)),
                      ("correctness", lambda: correctness(model, a, res, device)),
                      ("transitions", lambda: transitions(model, a, res, device)),
-                     ("hf", lambda: baselines(model, a, res, device, native_out, t_start))):
+                     ("hf", lambda: baselines(model, a, res, device, native_out, t_start)),
+                     ("native-variants", lambda: native_speed(model, a, res, device, [1, 2], native_out, t_start))):
         t0 = time.perf_counter()
         try:
             fn()
@@ -341,7 +423,7 @@ def main():
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name} done", flush=True)
         flush(res)
     print(table(res))
-    return 1 if res["errors"] or not res.get("correctness", {}).get("equal") else 0
+    return 1 if res["errors"] or not res.get("correctness", {}).get("passed") else 0
 
 
 if __name__ == "__main__":

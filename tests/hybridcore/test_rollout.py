@@ -13,6 +13,7 @@ from hybridcore.actor import HybridActor
 from hybridcore.batch import pack
 from hybridcore.forward import response_logits
 from hybridcore.models import build_preset, train_tokenizer
+from hybridcore import rollout
 from hybridcore.rollout import HFGenerate, NativeRollout, sample, truncate
 from tests.hybridcore.test_actor import MAX_NEW, make_texts
 
@@ -107,6 +108,44 @@ def test_cache_reused_and_regrown_within_one_rollout(tok, prompts, eos_model):
     assert got == [run(eos_model, tok, b, "hf", greedy=True) for b in batches]
 
 
+def test_compiled_step_equals_generate(tok, prompts):
+    """The decode step through torch.compile (the default under a CUDA graph; forced here on CPU, without a
+    graph) gives generate's greedy tokens, with rows stopping at eos, and says that it was compiled."""
+    model = with_likely_eos(gqa_model(tok, seed=1), tok, prompts)
+    actor = HybridActor(model, tok)
+    actor.backend = NativeRollout(model, compile=True)
+    with actor.rollout():
+        native = actor.generate(prompts[:6], MAX_NEW, greedy=True)
+        assert actor.backend.last_stats["compiled"] and not actor.backend.last_stats["cuda_graph"]
+    assert native == run(model, tok, prompts[:6], "hf", greedy=True)
+    assert any(r[-1] == tok.eos_token_id and len(r) < MAX_NEW for r in native)
+
+
+def test_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatch):
+    """compile=None (the CUDA default) survives a compiler failure: a warning, `compile_error` set, and the
+    plain step's tokens; compile=True raises it."""
+    model = build_preset("micro", tok, seed=0).float().eval()
+    expected = run(model, tok, prompts[:3], "native", greedy=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor exploded")
+    monkeypatch.setattr(rollout, "compiled_decode_step", lambda: broken)
+    for compile in (None, True):
+        actor = HybridActor(model, tok)
+        actor.backend = NativeRollout(model, cuda_graph=False, compile=compile)
+        with actor.rollout():
+            monkeypatch.setattr(actor.backend, "_resolve_compile", lambda graph: compile)
+            if compile:
+                with pytest.raises(RuntimeError, match="inductor exploded"):
+                    actor.generate(prompts[:3], MAX_NEW, greedy=True)
+                continue
+            with pytest.warns(RuntimeWarning, match="inductor exploded"):
+                got = actor.generate(prompts[:3], MAX_NEW, greedy=True)
+            assert got == expected
+            assert actor.backend.last_stats["compile_error"] == "RuntimeError: inductor exploded"
+            assert not actor.backend.last_stats["compiled"]
+
+
 def test_temperature_zero_is_greedy(tok, prompts, eos_model):
     greedy = run(eos_model, tok, prompts[:6], "native", greedy=True)
     torch.manual_seed(0)
@@ -190,7 +229,9 @@ def test_no_weight_copy_and_cache_freed_on_exit(tok, prompts):
         alive = [weakref.ref(t) for t in cache.keys + cache.values]
         kv_bytes = cache.nbytes
         weights = [p for p in model.parameters() if p.numel() >= 4096]
-        tensors = [o for o in gc.get_objects() if torch.is_tensor(o)]
+        # real tensors only: an earlier torch.compile leaves fake tensors and dead weak proxies behind
+        tensors = [o for o in gc.get_objects()
+                   if not isinstance(o, weakref.ProxyTypes) and type(o) in (torch.Tensor, torch.nn.Parameter)]
         for p in weights:
             copies = [o for o in tensors if o.shape == p.shape and o.dtype == p.dtype
                       and o.data_ptr() != p.data_ptr() and torch.equal(o, p)]
