@@ -1,23 +1,90 @@
-"""Forward passes shared by the stages, in micro-batches, on the `Batch` layout."""
+"""Forward passes shared by the stages, in micro-batches, on the `Batch` layout.
+
+Response log-probs, entropies and token losses never hold a micro-batch's whole [B, R, vocab] float32
+logits: the LM head runs over `chunk_tokens` response positions at a time, and under autograd (when there
+is more than one chunk) each chunk is recomputed in backward, so only hidden states are kept between them.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hybridcore.batch import Batch, micro_batches
-from hybridcore.rl import token_logprobs
+from hybridcore.rl import entropy_from_logits, token_logprobs
+
+CHUNK_TOKENS = 1024  # response positions per LM-head chunk: peak float32 logits = CHUNK_TOKENS x vocab x 4 bytes
 
 
 def response_logits(model, batch: Batch) -> torch.Tensor:
-    """Logits that predict each response token ([B, R, V]); prompt positions' logits are never computed."""
+    """Logits that predict each response token ([B, R, V]); prompt positions' logits are never computed.
+    The whole micro-batch's logits at once: for callers that need them all (tests, small vocabularies)."""
     R = batch.response_mask.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 logits_to_keep=R + 1, use_cache=False)
     return out.logits[:, :-1]
 
 
-def response_logprobs(model, batch: Batch) -> torch.Tensor:
+def _plain_head(model) -> bool:
+    """True when logits are exactly lm_head(last hidden state): no soft-capping or scaling after the head."""
+    c = model.config
+    text = getattr(c, "text_config", None) or c
+    return (getattr(text, "final_logit_softcapping", None) is None and getattr(text, "logit_scale", None) is None
+            and model.get_output_embeddings() is not None)
+
+
+def _head_over_chunks(model, batch: Batch, fn, chunk_tokens: int) -> tuple[torch.Tensor, ...]:
+    """fn(logits[n, V], labels[n]) -> tuple of [n] tensors, over every response position in chunks; the
+    results reshaped to [B, R]."""
+    B, R = batch.response_mask.shape
+    labels = batch.responses.reshape(-1)
+    if not _plain_head(model):  # the model's own forward applies what follows its head; not chunked
+        logits = response_logits(model, batch)
+        return tuple(t.view(B, R) for t in fn(logits.reshape(B * R, -1), labels))
+    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[:, batch.prompt_len - 1:-1].reshape(B * R, -1)
+    head = model.get_output_embeddings()
+
+    def chunk(h, y):
+        return fn(head(h), y)
+
+    parts = []
+    recompute = torch.is_grad_enabled() and B * R > chunk_tokens  # one chunk holds no more than before
+    for s in micro_batches(B * R, chunk_tokens):
+        if recompute:
+            parts.append(checkpoint(chunk, hidden[s], labels[s], use_reentrant=False))
+        else:
+            parts.append(chunk(hidden[s], labels[s]))
+    return tuple(torch.cat(ts).view(B, R) for ts in zip(*parts))
+
+
+def _logp(logits, labels):
+    return (token_logprobs(logits.unsqueeze(0), labels.unsqueeze(0)).squeeze(0),)
+
+
+def _logp_entropy(logits, labels):
+    return _logp(logits, labels)[0], entropy_from_logits(logits)
+
+
+def _nll_hit(logits, labels):
+    logits = logits.float()
+    return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(-1) == labels)
+
+
+def response_logprobs(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """log p(response token) under `model`, float32, [B, R]."""
-    return token_logprobs(response_logits(model, batch), batch.responses)
+    return _head_over_chunks(model, batch, _logp, chunk_tokens)[0]
+
+
+def response_logprobs_entropy(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS):
+    """(log p(response token), entropy of the next-token distribution), both float32 [B, R]."""
+    return _head_over_chunks(model, batch, _logp_entropy, chunk_tokens)
+
+
+def response_nll(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS):
+    """(cross-entropy of each response token, float32 [B, R]; whether argmax hit it, bool [B, R])."""
+    return _head_over_chunks(model, batch, _nll_hit, chunk_tokens)
 
 
 def token_scores(scorer, batch: Batch) -> torch.Tensor:

@@ -192,11 +192,19 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def _kwargs(precision: str, attention: str, trust_remote_code: bool, path: str) -> dict:
+def _kwargs(precision: str, attention: str, trust_remote_code: bool, path: str, quantization: str = "none",
+            quant_field: str = "quantization", model_cls=None) -> dict:
     # use_safetensors=True makes from_pretrained refuse pickles itself; False only when check_model_folder
     # accepted pickles (allow_pickle) because the folder has no safetensors.
-    return dict(dtype=DTYPES[precision], attn_implementation=attention, trust_remote_code=trust_remote_code,
-                use_safetensors=any(Path(path).glob("*.safetensors")))
+    kwargs = dict(dtype=DTYPES[precision], attn_implementation=attention, trust_remote_code=trust_remote_code,
+                  use_safetensors=any(Path(path).glob("*.safetensors")))
+    if quantization != "none":
+        from hybridcore.quant import bnb_config, check_4bit_config
+        kwargs["quantization_config"] = bnb_config(quantization, DTYPES[precision], quant_field)
+        if quantization == "4bit" and not torch.cuda.is_available():
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
+            check_4bit_config(config, model_cls, quant_field, trust_remote_code)
+    return kwargs
 
 
 def _first_line(e: Exception) -> str:
@@ -204,30 +212,43 @@ def _first_line(e: Exception) -> str:
 
 
 def load_causal_lm(path: str, precision: str = "fp32", attention: str = "sdpa", trust_remote_code: bool = False,
-                   field: str = "model.path", allow_pickle: bool = False):
+                   field: str = "model.path", allow_pickle: bool = False, quantization: str = "none",
+                   quant_field: str = "quantization"):
+    """quantization: none | 8bit | 4bit (bitsandbytes; see hybridcore/quant.py), errors named by quant_field."""
     check_model_folder(path, field, allow_pickle, trust_remote_code)
+    kwargs = _kwargs(precision, attention, trust_remote_code, path, quantization, quant_field, AutoModelForCausalLM)
     try:
         with _quiet_transformers():
-            return AutoModelForCausalLM.from_pretrained(path, **_kwargs(precision, attention, trust_remote_code, path))
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise InputError(f"{field}: could not load {path} as a causal LM ({_first_line(e)})") from None
+    return _after_quantized_load(model, quantization)
+
+
+def _after_quantized_load(model, quantization: str):
+    if quantization == "4bit":
+        from hybridcore.quant import keep_one_4bit_layout
+        keep_one_4bit_layout(model)
+    return model
 
 
 def load_sequence_scorer(path: str, precision: str = "fp32", attention: str = "sdpa",
                          trust_remote_code: bool = False, pad_token_id: Optional[int] = None,
-                         field: str = "model.path", allow_pickle: bool = False):
+                         field: str = "model.path", allow_pickle: bool = False, quantization: str = "none",
+                         quant_field: str = "quantization"):
     """An AutoModelForSequenceClassification with one label: a reward model, or a critic's starting point
     (its `score` head, applied per token, gives values)."""
     check_model_folder(path, field, allow_pickle, trust_remote_code)
+    kwargs = _kwargs(precision, attention, trust_remote_code, path, quantization, quant_field,
+                     AutoModelForSequenceClassification)
     try:
         with _quiet_transformers():
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, **_kwargs(precision, attention, trust_remote_code, path))
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
     except (OSError, ValueError) as e:
         raise InputError(f"{field}: could not load {path} as a sequence scorer ({_first_line(e)})") from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    return model
+    return _after_quantized_load(model, quantization)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, field: str = "model.tokenizer"):

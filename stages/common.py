@@ -1,32 +1,45 @@
-"""What the stages share: the base model a run starts from, and step-loop bookkeeping."""
+"""What the stages share: the base model a run starts from, loading each role as engine.roles says
+(precision, quantisation, LoRA) and exporting it, and step-loop bookkeeping."""
 from __future__ import annotations
 
 import math
+import tempfile
 import time
+from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
+from hybridcore.adapters import LoraSpec, add_lora, save_adapters, save_merged
 from hybridcore.checkpoint import Checkpointer
+from hybridcore.freezing import TrainableState, freeze
 from hybridcore.errors import InputError, TrainingFault
 from hybridcore.interrupts import Interrupted, stop_requested
 from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
-                               load_tokenizer, train_tokenizer)
+                               load_tokenizer, save_model, train_tokenizer)
 from stages import data
 
 
 def base_model(p):
-    """(tokenizer, causal LM) the pipeline starts from: a local folder, or a preset built for this run."""
-    prec, attn = p.engine.roles.actor.precision or p.engine.precision, p.engine.attention
+    """(tokenizer, causal LM) the pipeline starts from: a local folder, or a preset built for this run;
+    quantised as engine.roles.actor says (SFT trains the actor role)."""
+    prec, attn, quant = role_precision(p, "actor"), p.engine.attention, p.engine.roles.actor.quantization
     if p.model.path is not None:
         tok = load_tokenizer(p.model.tokenizer or p.model.path, p.model.trust_remote_code,
                              "model.tokenizer" if p.model.tokenizer else "model.path")
-        model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code, allow_pickle=p.model.allow_pickle)
+        model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code, allow_pickle=p.model.allow_pickle,
+                               quantization=quant, quant_field=quant_field("actor"))
     else:
         tok = (load_tokenizer(p.model.tokenizer) if p.model.tokenizer
                else train_tokenizer(data.corpus(p), PRESETS[p.model.preset]["tokenizer_vocab"]))
         model = build_preset(p.model.preset, tok, p.pipeline.seed).to(DTYPES[prec])
         model.config._attn_implementation = attn
+        if quant != "none":  # bitsandbytes quantises while loading: go through an HF folder
+            with tempfile.TemporaryDirectory(prefix="preset-") as tmp:
+                save_model(model, tok, Path(tmp))
+                model = load_causal_lm(tmp, prec, attn, quantization=quant, quant_field=quant_field("actor"))
+            model.config._name_or_path = ""  # the temporary folder is gone; adapters must not point at it
     check_vocab(model, tok, "model.tokenizer" if p.model.tokenizer else "model")
     return tok, model
 
@@ -35,14 +48,52 @@ def role_precision(p, role: str) -> str:
     return getattr(p.engine.roles, role).precision or p.engine.precision
 
 
+def quant_field(role: str) -> str:
+    return f"engine.roles.{role}.quantization"
+
+
+def lora_spec(p, role: str) -> Optional[LoraSpec]:
+    lora = getattr(p.engine.roles, role).lora
+    return None if lora is None else LoraSpec(lora.rank, lora.alpha, tuple(lora.targets))
+
+
 def load_scorer(p, folder, role: str, pad_token_id: int):
     return load_sequence_scorer(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
-                                pad_token_id=pad_token_id, field=f"{role} model")
+                                pad_token_id=pad_token_id, field=f"{role} model",
+                                quantization=getattr(p.engine.roles, role).quantization, quant_field=quant_field(role))
 
 
 def load_policy(p, folder, role: str):
     return load_causal_lm(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
-                          field=f"{role} model")
+                          field=f"{role} model", quantization=getattr(p.engine.roles, role).quantization,
+                          quant_field=quant_field(role))
+
+
+def with_lora(p, model, role: str, keep_trainable: tuple[str, ...] = ()):
+    """(model, peft model or None): LoRA on `model` when engine.roles.<role>.lora asks for it, everything else
+    frozen except the modules named in keep_trainable (a scorer's `score` head)."""
+    spec = lora_spec(p, role)
+    if spec is None:
+        return model, None
+    peft = add_lora(model, spec, f"engine.roles.{role}", "default")
+    model = peft.get_base_model()
+    for name in keep_trainable:
+        getattr(model, name).requires_grad_(True)
+    return model, peft
+
+
+def checkpointed(model, peft):
+    """What a step checkpoint holds of a model: all of it, or with adapters only the trained parameters."""
+    return model if peft is None else TrainableState.of(model)
+
+
+def export(p, role: str, model, peft, tok, out: Path, adapter: str = "default", extra: Optional[dict] = None) -> None:
+    """model/ as a plain HF folder (adapters merged, quantisation not baked in); adapter/ when adapters exist."""
+    if peft is None:
+        save_model(model, tok, out / "model")
+        return
+    save_merged(model, tok, out / "model", adapter, DTYPES[role_precision(p, role)])
+    save_adapters(peft, out / "adapter", extra)
 
 
 def total_steps(n_rows: int, batch_size: int, epochs: int, what: str) -> int:
@@ -95,10 +146,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def frozen(model):
-    """Not trained: no autograd tracking, eval mode."""
-    model.requires_grad_(False)
-    return model.eval()
+frozen = freeze
 
 
 class NonFinite(TrainingFault):

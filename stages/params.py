@@ -161,10 +161,24 @@ class Tracking(_Section):
     experiment: str = "hybrid-rlhf"
 
 
+class Lora(_Section):
+    """LoRA adapters (peft) on a role's Linear layers; the names are checked against the model when it loads."""
+    rank: int = Field(gt=0)
+    alpha: float = Field(gt=0)              # scaling = alpha / rank
+    targets: list[str] = Field(min_length=1)  # leaf module names, e.g. [q_proj, k_proj, v_proj, o_proj]
+
+    @field_validator("targets")
+    @classmethod
+    def _named(cls, v: list[str]) -> list[str]:
+        if any(not t.strip() for t in v):
+            raise ValueError("expected non-empty module names")
+        return v
+
+
 class Role(_Section):
-    precision: Optional[Literal["fp32", "bf16"]] = None  # null = engine.precision
-    quantization: Literal["none", "8bit", "4bit"] = "none"
-    lora: Optional[dict[str, Any]] = None   # {rank, alpha, targets}
+    precision: Optional[Literal["fp32", "bf16"]] = None  # null = engine.precision (4-bit compute dtype too)
+    quantization: Literal["none", "8bit", "4bit"] = "none"  # bitsandbytes; 4bit = NF4 + double quantisation
+    lora: Optional[Lora] = None             # {rank, alpha, targets}; a quantised trained role needs it (QLoRA)
 
 
 class Roles(_Section):
@@ -323,21 +337,45 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
 def check_supported(p: Params) -> None:
     """Engine options whose code has not landed yet are refused up front, naming the issue that brings them."""
     e = p.engine
-    for role in ("actor", "critic", "reference", "reward"):
-        r = getattr(e.roles, role)
-        if r.quantization != "none":
-            raise NotYetSupported(f"engine.roles.{role}.quantization={r.quantization}", "the memory issue (#5)")
-        if r.lora is not None:
-            raise NotYetSupported(f"engine.roles.{role}.lora", "the memory issue (#5)")
-    if e.share_base:
-        raise NotYetSupported("engine.share_base=true", "the memory issue (#5)")
+    check_roles(p)
     if e.memory_budget_gib is not None:
         raise NotYetSupported("engine.memory_budget_gib (the planner)", "the memory issue (#5)")
     if e.layout.dp * e.layout.tp > 1 or e.layout.zero_stage or e.layout.offload_optimizer or e.layout.offload_params:
         raise NotYetSupported("engine.layout other than dp=1, tp=1, zero_stage=0 without offload",
                               "the memory (#5) and 3D sharding (#8) issues")
-    if e.rollout.backend != "native" or e.rollout.tp != 1 or e.rollout.offload_optimizer:
+    if e.rollout.backend != "native" or e.rollout.tp != 1:
         raise NotYetSupported("engine.rollout other than backend=native, tp=1", "the rollout issue (#6)")
+
+
+TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO
+
+
+def check_roles(p: Params) -> None:
+    """Role settings that cannot work together: a quantised trained role without LoRA (its base cannot take
+    updates), LoRA on the never-trained reference, and share_base without both adapters or with roles that
+    ask for a base different from the actor's."""
+    e = p.engine
+    for role in TRAINED:
+        r = getattr(e.roles, role)
+        if r.quantization != "none" and r.lora is None:
+            raise InputError(f"engine.roles.{role}.quantization={r.quantization}: a quantised model that is "
+                             f"trained needs adapters (QLoRA); expected engine.roles.{role}.lora to be set")
+    if e.roles.reference.lora is not None:
+        raise InputError("engine.roles.reference.lora: the reference policy is never trained; expected null")
+    if not e.share_base:
+        return
+    for role in ("actor", "critic"):
+        if getattr(e.roles, role).lora is None:
+            raise InputError(f"engine.share_base=true: actor and critic are adapters on one base; expected "
+                             f"engine.roles.{role}.lora to be set")
+    actor = e.roles.actor
+    for role in ("critic", "reference"):
+        r = getattr(e.roles, role)
+        if r.quantization not in ("none", actor.quantization) or r.precision not in (None, actor.precision):
+            raise InputError(f"engine.roles.{role}: with engine.share_base=true the {role} runs on the actor's "
+                             f"base ({actor.quantization}, precision {actor.precision or e.precision}); found "
+                             f"quantization={r.quantization}, precision={r.precision}; expected the actor's "
+                             f"or none/null")
 
 
 def stage_list(p: Params) -> list[str]:

@@ -5,24 +5,33 @@ them with the RM; old log-probs, reference log-probs and values without autograd
 -kl_coef * KL + RM score on the last token; GAE with whitened advantages; then several epochs over
 minibatches of clipped policy and clipped value updates. The critic is the RM's backbone and score
 head applied per token (or a fresh head on the SFT model).
+
+With engine.share_base the actor and critic are LoRA adapters on one frozen base and the reference is
+that base with the adapters off (hybridcore/shared_base.py); `Models.use(role)` picks which one computes.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from hybridcore import rl
 from hybridcore.actor import HybridActor
 from hybridcore.batch import encode, micro_batches, pack
-from hybridcore.forward import batched, response_logits, response_logprobs, response_values, sequence_scores
-from hybridcore.models import load_tokenizer, save_model
+from hybridcore.forward import batched, response_logprobs, response_logprobs_entropy, response_values, sequence_scores
+from hybridcore.freezing import TrainableState, assert_frozen
+from hybridcore.models import DTYPES, load_tokenizer
+from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import Resumable, StepLog, finite, frozen, load_policy, load_scorer, seed_all
+from stages.common import (Resumable, StepLog, checkpointed, export, finite, frozen, load_policy, load_scorer,
+                           lora_spec, role_precision, seed_all, with_lora)
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -35,14 +44,63 @@ def prompt_stream(prompts: list[list[int]], size: int, seed: int):
             yield [prompts[i] for i in order[start:start + size]]
 
 
+@dataclass
+class Models:
+    """PPO's four roles. `actor_params` / `critic_params` are what each optimiser updates and clips (the whole
+    model, or adapters and a value head); `peft` is set when the actor has adapters."""
+    policy: torch.nn.Module
+    ref: torch.nn.Module
+    critic: torch.nn.Module
+    rm: torch.nn.Module
+    actor_params: object
+    critic_params: object
+    checkpoint: dict
+    peft: object = None
+    adapter: str = "default"
+    shared: Optional[SharedBase] = None
+
+    def use(self, role: str):
+        return self.shared.use(role) if self.shared is not None else contextlib.nullcontext()
+
+    def frozen_check(self, optimizers) -> None:
+        assert_frozen("ppo", {"actor": self.policy, "reference": self.ref, "critic": self.critic, "reward": self.rm},
+                      optimizers)
+
+
+def load_models(p, inputs: dict[str, Path], tok) -> Models:
+    cfg = p.ppo
+    sft, rm_dir = inputs["sft"] / "model", inputs["reward"] / "model"
+    rm = frozen(load_scorer(p, rm_dir, "reward", tok.pad_token_id))
+    if p.engine.share_base:
+        base = load_policy(p, sft, "actor")
+        head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
+                          rm.score if cfg.critic_init == "reward" else None,
+                          getattr(base.config, "initializer_range", 0.02), p.pipeline.seed)
+        sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
+        return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
+                      {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb)
+    policy, peft = with_lora(p, load_policy(p, sft, "actor"), "actor")
+    ref = frozen(load_policy(p, sft, "reference"))
+    critic_from = rm_dir if cfg.critic_init == "reward" else sft
+    critic, critic_peft = with_lora(p, load_scorer(p, critic_from, "critic", tok.pad_token_id), "critic",
+                                    keep_trainable=("score",))
+    return Models(policy, ref, critic, rm,
+                  policy if peft is None else TrainableState.of(policy),
+                  critic if critic_peft is None else TrainableState.of(critic),
+                  {"actor": checkpointed(policy, peft), "critic": checkpointed(critic, critic_peft)}, peft)
+
+
 @torch.no_grad()
-def make_experience(cfg, batch, actor, ref, rm, critic, eos_id, micro: int) -> dict:
+def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
     """Everything the updates need from one rollout, computed without autograd."""
     mask = batch.response_mask.float()
-    old_logp = batched(response_logprobs, actor, batch, micro)
-    ref_logp = batched(response_logprobs, ref, batch, micro)
-    values = batched(response_values, critic, batch, micro)
-    scores = batched(sequence_scores, rm, batch, micro)
+    with m.use("actor"):
+        old_logp = batched(response_logprobs, m.policy, batch, micro)
+    with m.use("reference"):
+        ref_logp = batched(response_logprobs, m.ref, batch, micro)
+    with m.use("critic"):
+        values = batched(response_values, m.critic, batch, micro)
+    scores = batched(sequence_scores, m.rm, batch, micro)
     ended = (batch.responses == eos_id).any(1)
     if cfg.missing_eos_penalty is not None:
         scores = scores + (~ended).float() * cfg.missing_eos_penalty
@@ -55,7 +113,7 @@ def make_experience(cfg, batch, actor, ref, rm, critic, eos_id, micro: int) -> d
             "advantages": rl.masked_whiten(adv, mask), "scores": scores, "kl": kl, "mask": mask, "ended": ended}
 
 
-def update(cfg, batch, exp, actor, critic, opts, micro: int, seed: int, it: int) -> dict:
+def update(cfg, batch, exp, m: Models, opts, micro: int, seed: int, it: int) -> dict:
     """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch."""
     g = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
@@ -68,24 +126,25 @@ def update(cfg, batch, exp, actor, critic, opts, micro: int, seed: int, it: int)
             n_tok = exp["mask"][mb].sum().clamp(min=1)
             for s in micro_batches(len(mb), micro):
                 idx = mb[s]
-                sub, m = batch.select(idx), exp["mask"][idx]
-                share = m.sum() / n_tok  # micro-batch's share of the minibatch's tokens
-                logits = response_logits(actor, sub)
-                logp = rl.token_logprobs(logits, sub.responses)
-                pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx], m,
-                                                         cfg.clip_range)
-                entropy = rl.masked_mean(rl.entropy_from_logits(logits), m)
-                ((pl - cfg.entropy_coef * entropy) * share).backward()
-                values = response_values(critic, sub)
-                vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip)
-                (vl * share).backward()
+                sub, mask = batch.select(idx), exp["mask"][idx]
+                share = mask.sum() / n_tok  # micro-batch's share of the minibatch's tokens
+                with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
+                    logp, ent = response_logprobs_entropy(m.policy, sub)
+                    pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx],
+                                                             mask, cfg.clip_range)
+                    entropy = rl.masked_mean(ent, mask)
+                    ((pl - cfg.entropy_coef * entropy) * share).backward()
+                with m.use("critic"):
+                    values = response_values(m.critic, sub)
+                    vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
+                    (vl * share).backward()
                 for k, v in zip(stats, (pl, vl, clipfrac, vclip, approx_kl, entropy)):
                     stats[k].append(v.item())
             ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=stats["policy_loss"][-1],
                         value_loss=stats["value_loss"][-1])
-            for model, (opt, sched) in zip((actor, critic), opts):
+            for params, (opt, sched) in zip((m.actor_params, m.critic_params), opts):
                 if ok:
-                    step(model, opt, sched, cfg.max_grad_norm)
+                    step(params, opt, sched, cfg.max_grad_norm)
                 else:
                     opt.zero_grad(set_to_none=True)
     return {k: sum(v) / len(v) for k, v in stats.items()}
@@ -95,11 +154,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.ppo
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
-    actor = HybridActor(load_policy(p, inputs["sft"] / "model", "actor"), tok, p.engine.activation_checkpointing)
-    ref = frozen(load_policy(p, inputs["sft"] / "model", "reference"))
-    rm = frozen(load_scorer(p, inputs["reward"] / "model", "reward", tok.pad_token_id))
-    critic_from = inputs["reward"] if cfg.critic_init == "reward" else inputs["sft"]
-    critic = load_scorer(p, critic_from / "model", "critic", tok.pad_token_id)
+    m = load_models(p, inputs, tok)
     prompts, _ = encode(tok, data.load("prompts", p).train["prompt"])
     if len(prompts) < cfg.rollout_batch_size:
         from hybridcore.errors import InputError
@@ -107,12 +162,15 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                          f"{cfg.rollout_batch_size}")
     updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
     opts = [(o, warmup_cosine(o, updates, cfg.warmup_ratio, 1.0))
-            for o in (adamw(actor.model, cfg.actor_lr), adamw(critic, cfg.critic_lr))]
-    actor.model.train()
-    critic.train()
+            for o in (adamw(m.actor_params, cfg.actor_lr), adamw(m.critic_params, cfg.critic_lr))]
+    m.frozen_check([o for o, _ in opts])
+    actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing, optimizer=opts[0][0],
+                        offload_optimizer=p.engine.rollout.offload_optimizer)
+    m.policy.train()
+    m.critic.train()
     stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
     log = StepLog("ppo", cfg.iterations, sink)
-    loop = Resumable("ppo", out, cfg, {"actor": actor.model, "critic": critic},
+    loop = Resumable("ppo", out, cfg, m.checkpoint,
                      {"actor_optimizer": opts[0][0], "actor_schedule": opts[0][1],
                       "critic_optimizer": opts[1][0], "critic_schedule": opts[1][1]}, log)
     start, state = loop.resume()
@@ -124,19 +182,19 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         fault_point("ppo", it)
         torch.manual_seed(p.pipeline.seed * 100_003 + it)
         t0 = time.perf_counter()
-        with actor.rollout():
+        with m.use("actor"), actor.rollout():
             responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p)
         t1 = time.perf_counter()
         batch = pack(batch_prompts, responses, tok.pad_token_id)
-        exp = make_experience(cfg, batch, actor.model, ref, rm, critic, tok.eos_token_id, cfg.micro_batch_size)
+        exp = make_experience(cfg, batch, m, tok.eos_token_id, cfg.micro_batch_size)
         if fault_active("ppo", "nan", it):
             exp["scores"][0] = float("nan")
         t2 = time.perf_counter()
         if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
             loop.after_step(it + 1, history=history)
             continue
-        stats = update(cfg, batch, exp, actor.model, critic, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
+        stats = update(cfg, batch, exp, m, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
         t3 = time.perf_counter()
         mask = exp["mask"]
         metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
@@ -157,5 +215,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                     for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
                                  "entropy")
                     for tag, part in (("first", first), ("last", last))})
-    save_model(actor.model, tok, out / "model")
+    with m.use("actor"):
+        export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
+               {"value_head": m.shared.head} if m.shared is not None else None)
     return summary

@@ -12,12 +12,14 @@ import torch.nn.functional as F
 
 from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
 from hybridcore.forward import sequence_scores
-from hybridcore.models import save_model, set_activation_checkpointing
+from hybridcore.freezing import assert_frozen
+from hybridcore.models import set_activation_checkpointing
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
-from stages.common import Resumable, StepLog, finite, load_scorer, seed_all, total_steps
+from stages.common import (Resumable, StepLog, checkpointed, export, finite, load_scorer, seed_all, total_steps,
+                           with_lora)
 
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
@@ -51,16 +53,19 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     model = load_scorer(p, inputs["sft"] / "model", "reward", tok.pad_token_id)
+    model, peft = with_lora(p, model, "reward", keep_trainable=("score",))
     split = data.load("preferences", p)
     prompts, chosen, rejected = encode_pairs(tok, split.train, cfg.max_seq_len, "data.preferences")
     held = encode_pairs(tok, split.heldout, cfg.max_seq_len, "data.preferences (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "reward.batch_size")
     opt = adamw(model, cfg.lr, cfg.weight_decay)
+    assert_frozen("reward", {"model": model}, [opt])
     sched = warmup_cosine(opt, steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("reward", steps, sink)
-    loop = Resumable("reward", out, cfg, {"model": model}, {"optimizer": opt, "schedule": sched}, log)
+    loop = Resumable("reward", out, cfg, {"model": checkpointed(model, peft)}, {"optimizer": opt, "schedule": sched},
+                     log)
     start, _ = loop.resume()
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
@@ -86,5 +91,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    save_model(model, tok, out / "model")
+    export(p, "reward", model, peft, tok, out)
     return metrics

@@ -8,23 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
-from hybridcore.forward import response_logits
-from hybridcore.models import save_model, set_activation_checkpointing
+from hybridcore.forward import response_nll
+from hybridcore.freezing import assert_frozen
+from hybridcore.models import set_activation_checkpointing
 from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import Resumable, StepLog, base_model, finite, seed_all, total_steps
+from stages.common import (Resumable, StepLog, base_model, checkpointed, export, finite, seed_all, total_steps,
+                           with_lora)
 
 
 def token_losses(model, batch):
-    """Per-token cross-entropy [B, R] and whether argmax hit the label."""
-    logits = response_logits(model, batch).float()
-    labels = batch.responses
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    return loss, logits.argmax(-1) == labels
+    """Per-token cross-entropy [B, R] and whether argmax hit the label (the LM head runs in chunks)."""
+    return response_nll(model, batch)
 
 
 @torch.no_grad()
@@ -46,17 +44,20 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.sft
     seed_all(p.pipeline.seed)
     tok, model = base_model(p)
+    model, peft = with_lora(p, model, "actor")
     split = data.load("sft", p)
     prompts, responses = encode(tok, split.train["prompt"], split.train["response"], cfg.max_seq_len, "data.sft")
     h_prompts, h_responses = encode(tok, split.heldout["prompt"], split.heldout["response"], cfg.max_seq_len,
                                     "data.sft (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
     opt = adamw(model, cfg.lr, cfg.weight_decay)
+    assert_frozen("sft", {"model": model}, [opt])
     sched = warmup_cosine(opt, steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("sft", steps, sink)
-    loop = Resumable("sft", out, cfg, {"model": model}, {"optimizer": opt, "schedule": sched}, log)
+    loop = Resumable("sft", out, cfg, {"model": checkpointed(model, peft)}, {"optimizer": opt, "schedule": sched},
+                     log)
     start, _ = loop.resume()
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
@@ -83,5 +84,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    save_model(model, tok, out / "model")
+    export(p, "actor", model, peft, tok, out)
     return metrics

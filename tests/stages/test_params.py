@@ -379,10 +379,6 @@ def test_overrides_model_rejects_wrong_type(value):
 
 
 @pytest.mark.parametrize("overrides, names", [
-    ({"engine": {"roles": {"actor": {"quantization": "4bit"}}}}, "engine.roles.actor.quantization"),
-    ({"engine": {"roles": {"critic": {"quantization": "8bit"}}}}, "engine.roles.critic.quantization"),
-    ({"engine": {"roles": {"actor": {"lora": {"rank": 8}}}}}, "engine.roles.actor.lora"),
-    ({"engine": {"share_base": True}}, "engine.share_base"),
     ({"engine": {"memory_budget_gib": 20}}, "engine.memory_budget_gib"),
     ({"engine": {"layout": {"dp": 2}}}, "engine.layout"),
     ({"engine": {"layout": {"tp": 2}}}, "engine.layout"),
@@ -409,7 +405,7 @@ def test_check_supported_accepts_defaults_and_presets():
 
 def test_check_supported_on_a_params_object():
     """check_supported itself refuses an unsupported option set on a Params object."""
-    p = Params.model_validate({"engine": {"share_base": True}})
+    p = Params.model_validate({"engine": {"memory_budget_gib": 20}})
     with pytest.raises(NotYetSupported, match="not supported yet"):
         check_supported(p)
 

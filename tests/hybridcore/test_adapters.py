@@ -1,0 +1,194 @@
+"""LoRA and bitsandbytes on the micro model: target checks, adapter switching, merged export that plain
+transformers loads with the adapter model's outputs, the shared base's reference, and 4-bit shape checks."""
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hybridcore.adapters import (LoraSpec, adapter_parameters, add_lora, linear_names, save_adapters, save_merged,
+                                 use_adapter)
+from hybridcore.batch import pack
+from hybridcore.errors import InputError
+from hybridcore.forward import batched, response_logprobs
+from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer
+from hybridcore.quant import bnb_config, check_4bit_shapes
+from hybridcore.shared_base import SharedBase, value_head
+
+TEXTS = [f"mia has {a} pears and gets {b} more. total: {a + b}" for a in range(1, 10) for b in range(1, 10)]
+SPEC = LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, 384)
+
+
+@pytest.fixture(scope="module")
+def folder(tok, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("micro") / "model"
+    save_model(build_preset("micro", tok, seed=0), tok, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS[:6]]
+    return pack([x[:6 + i % 3] for i, x in enumerate(ids)], [x[9:12 + i % 4] for i, x in enumerate(ids)],
+                tok.pad_token_id)
+
+
+def randomise_adapter(model, adapter: str, seed: int) -> None:
+    """LoRA starts with B = 0 (a no-op); give every B weights so that the adapter changes outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapter_parameters(model, adapter).items():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_unknown_lora_target_names_field_and_choices(folder):
+    """A target that is not a Linear of the model: an InputError naming the field and the available names."""
+    model = load_causal_lm(str(folder))
+    with pytest.raises(InputError, match=r"^engine\.roles\.actor\.lora\.targets: 'qproj' is not a Linear module "
+                                         r"of this model; expected names from: .*q_proj.*v_proj"):
+        add_lora(model, LoraSpec(4, 8, ("q_proj", "qproj")), "engine.roles.actor", "default")
+    assert linear_names(model) == ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
+                                   "v_proj"]
+
+
+@pytest.mark.parametrize("quantization", ["none", "4bit"])
+def test_merged_folder_loads_plain_with_the_adapter_models_outputs(folder, tok, batch, tmp_path, quantization):
+    """model/ (adapter merged, quantisation not baked in) loaded by plain from_pretrained gives the adapter
+    model's log-probs; adapter/ holds the LoRA weights only."""
+    model = load_causal_lm(str(folder), quantization=quantization)
+    peft = add_lora(model, SPEC, "engine.roles.actor", "default")
+    plain = peft.get_base_model()
+    randomise_adapter(plain, "default", seed=1)
+    expected = batched(response_logprobs, plain, batch, 3)
+    save_merged(plain, tok, tmp_path / "model", "default", torch.float32)
+    save_adapters(peft, tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert not hasattr(merged.config, "quantization_config")
+    assert all(type(p).__name__ == "Parameter" for p in merged.parameters())
+    got = batched(response_logprobs, merged, batch, 3)
+    assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    base_only = batched(response_logprobs, load_causal_lm(str(folder), quantization=quantization), batch, 3)
+    assert (got - base_only).abs().max() > 1e-3  # the adapter really is in model/
+    keys = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")).keys()
+    assert keys and all("lora_" in k for k in keys)
+
+
+def test_8bit_merged_folder_is_close_to_the_8bit_adapter_model(folder, tok, batch, tmp_path):
+    """8-bit: the merged folder is the dequantised base plus the adapter; the int8 model also quantises its
+    activations, so the two agree only to int8 precision."""
+    peft = add_lora(load_causal_lm(str(folder), quantization="8bit"), SPEC, "engine.roles.actor", "default")
+    plain = peft.get_base_model()
+    randomise_adapter(plain, "default", seed=2)
+    expected = batched(response_logprobs, plain, batch, 6)
+    save_merged(plain, tok, tmp_path / "model", "default", torch.float32)
+    got = batched(response_logprobs, AutoModelForCausalLM.from_pretrained(tmp_path / "model"), batch, 6)
+    assert_close(got, expected, rtol=0.02, atol=0.05)
+
+
+def test_use_adapter_switches_outputs_and_leaves_requires_grad(folder, batch):
+    """use_adapter picks which adapter runs (None: the base) and restores the previous one; unlike peft's
+    set_adapter it never changes requires_grad."""
+    base = load_causal_lm(str(folder))
+    peft = add_lora(base, SPEC, "engine.roles.actor", "actor")
+    add_lora(None, LoraSpec(4, 8, ("q_proj",)), "engine.roles.critic", "critic", peft_model=peft)
+    model = peft.get_base_model()
+    randomise_adapter(model, "actor", 3)
+    randomise_adapter(model, "critic", 4)
+    for p in model.parameters():
+        p.requires_grad_(".lora_" in "".join(n for n, q in model.named_parameters() if q is p))
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    out = {}
+    for name in ("actor", "critic", None):
+        with use_adapter(model, name):
+            out[name] = batched(response_logprobs, model, batch, 6)
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert (out["actor"] - out["critic"]).abs().max() > 1e-3 and (out["actor"] - out[None]).abs().max() > 1e-3
+    with use_adapter(model, "actor"):
+        assert torch.equal(batched(response_logprobs, model, batch, 6), out["actor"])
+
+
+def test_shared_base_reference_equals_a_separate_frozen_copy(folder, batch):
+    """share_base: the reference (adapters off) gives exactly the log-probs of a separately loaded frozen
+    4-bit copy, while the actor and critic adapters do change the model."""
+    base = load_causal_lm(str(folder), quantization="4bit")
+    sb = SharedBase(base, SPEC, LoraSpec(4, 8, ("q_proj", "k_proj")),
+                    value_head(base.config.hidden_size, torch.float32, None, 0.02, seed=0))
+    randomise_adapter(sb.model, "actor", 5)
+    randomise_adapter(sb.model, "critic", 6)
+    with sb.use("reference"):
+        ref = batched(response_logprobs, sb.model, batch, 4)
+    with sb.use("actor"):
+        actor = batched(response_logprobs, sb.model, batch, 4)
+    copy = load_causal_lm(str(folder), quantization="4bit").requires_grad_(False).eval()
+    assert torch.equal(ref, batched(response_logprobs, copy, batch, 4))
+    assert (actor - ref).abs().max() > 1e-3
+    trained = {id(p) for p in (*sb.actor_params.parameters(), *sb.critic_params.parameters())}
+    assert {n for n, p in sb.model.named_parameters() if p.requires_grad} == \
+        {n for n, p in sb.model.named_parameters() if id(p) in trained}
+    assert list(sb.critic.parameters()) == [sb.head.weight]  # the critic owns only its value head
+
+
+def test_bnb_config_is_nf4_with_double_quantisation_and_compute_dtype():
+    """4bit means NF4, double quantisation, the role's precision as compute dtype; output heads stay plain."""
+    c = bnb_config("4bit", torch.bfloat16, "engine.roles.actor.quantization")
+    assert (c.load_in_4bit, c.bnb_4bit_quant_type, c.bnb_4bit_use_double_quant) == (True, "nf4", True)
+    assert c.bnb_4bit_compute_dtype == torch.bfloat16 and "lm_head" in c.llm_int8_skip_modules
+    assert bnb_config("8bit", torch.float32, "x").load_in_8bit and bnb_config("none", torch.float32, "x") is None
+
+
+def test_4bit_needs_out_features_divisible_by_32_on_cpu():
+    """A Linear whose out_features is not a multiple of 32 is named up front, before bitsandbytes fails."""
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    with pytest.raises(InputError, match=r"^engine\.roles\.actor\.quantization=4bit: .*gate_proj "
+                                         r"\(out_features=80\)"):
+        check_4bit_shapes(model, "engine.roles.actor.quantization")
+
+
+def test_4bit_model_computes_the_same_in_rollout_and_training(folder, batch):
+    """PPO's ratio is exp(train log-prob - rollout log-prob): a 4-bit model must give the same numbers in eval
+    mode without autograd (rollout, scoring) as in train mode with it (bitsandbytes' CPU repacking is off)."""
+    model = load_causal_lm(str(folder), quantization="4bit")
+    model.train()
+    model.get_input_embeddings().weight.requires_grad_(True)  # so that the forward runs with autograd
+    training = response_logprobs(model, batch)
+    assert training.requires_grad
+    model.eval()
+    rollout = batched(response_logprobs, model, batch, 6)
+    assert_close(rollout, training.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_merged_folder_of_a_tied_embedding_model(tok, batch, tmp_path):
+    """A model whose LM head shares the input embedding is saved with the tensor once and loads tied."""
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    peft = add_lora(model, SPEC, "engine.roles.actor", "default")
+    randomise_adapter(peft.get_base_model(), "default", seed=7)
+    expected = batched(response_logprobs, peft.get_base_model(), batch, 6)
+    save_merged(peft.get_base_model(), tok, tmp_path, "default", torch.float32)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    assert_close(batched(response_logprobs, merged, batch, 6), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_4bit_shape_check_runs_before_loading_a_folder(tok, tmp_path):
+    """load_causal_lm with 4bit names the offending layer for a folder whose sizes the CPU kernel cannot take."""
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=80, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    save_model(LlamaForCausalLM(config), tok, tmp_path)
+    with pytest.raises(InputError, match=r"^engine\.roles\.critic\.quantization=4bit: .*out_features=80"):
+        load_causal_lm(str(tmp_path), quantization="4bit", quant_field="engine.roles.critic.quantization")
