@@ -229,9 +229,11 @@ def test_no_weight_copy_and_cache_freed_on_exit(tok, prompts):
         alive = [weakref.ref(t) for t in cache.keys + cache.values]
         kv_bytes = cache.nbytes
         weights = [p for p in model.parameters() if p.numel() >= 4096]
-        # real tensors only: an earlier torch.compile leaves fake tensors and dead weak proxies behind
+        # real tensors only: an earlier torch.compile leaves fake tensors and dead weak proxies behind, and
+        # models built on the meta device (quantised loading) leave meta tensors
         tensors = [o for o in gc.get_objects()
-                   if not isinstance(o, weakref.ProxyTypes) and type(o) in (torch.Tensor, torch.nn.Parameter)]
+                   if not isinstance(o, weakref.ProxyTypes) and type(o) in (torch.Tensor, torch.nn.Parameter)
+                   and o.device == weights[0].device]
         for p in weights:
             copies = [o for o in tensors if o.shape == p.shape and o.dtype == p.dtype
                       and o.data_ptr() != p.data_ptr() and torch.equal(o, p)]
