@@ -40,7 +40,7 @@ test-main: setup
 	$(PY) -m pytest -q -m "not vllm" $(PYTEST_ARGS)
 
 test-vllm: $(VSTAMP)
-	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q -m vllm tests/hybridcore/test_rollout_vllm.py
+	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q -m vllm tests/hybridcore/test_rollout_vllm.py tests/stages/test_ppo_vllm.py
 
 lock: setup
 	$(PY) -m pip freeze --exclude-editable | sed '1i # Every package version the CI and `make` install, resolved together on Python 3.11 (CPU torch 2.13.0).\n# Regenerate after changing dependencies: make lock' > requirements.lock

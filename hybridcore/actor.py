@@ -87,6 +87,12 @@ class HybridActor:
             responses.append(row)
         return responses
 
+    def close(self) -> None:
+        """Release what the backend holds beyond the KV cache (a vLLM engine and its memory)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
     # -------------------------------------------------------------------------------- layout hooks
 
     def _gather_weights(self) -> None:

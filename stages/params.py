@@ -196,10 +196,19 @@ class Layout(_Section):
     offload_params: bool = False
 
 
+class Vllm(_Section):
+    """The colocated vLLM engine (engine.rollout.backend: vllm; needs the vllm extra)."""
+    bucket_mib: float = Field(256, gt=0)          # most weight bytes handed to the engine at once per sync
+    kv_cache_gib: float = Field(1.0, gt=0)        # its KV cache (CPU builds round up to whole GiB)
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # CUDA builds: the share of the GPU it may plan for
+    sleep: Optional[bool] = None                  # null: sleep between rollouts where the build can (CUDA)
+
+
 class Rollout(_Section):
-    backend: Literal["native", "vllm"] = "native"
+    backend: Literal["native", "vllm"] = "native"  # native: static KV cache on the training weights; vllm: extra
     tp: int = Field(1, gt=0)
-    offload_optimizer: bool = False
+    offload_optimizer: bool = False                 # the actor's AdamW states go to CPU while rolling out
+    vllm: Vllm = Vllm()
 
 
 class Engine(_Section):
@@ -343,8 +352,8 @@ def check_supported(p: Params) -> None:
     if e.layout.dp * e.layout.tp > 1 or e.layout.zero_stage or e.layout.offload_optimizer or e.layout.offload_params:
         raise NotYetSupported("engine.layout other than dp=1, tp=1, zero_stage=0 without offload",
                               "the memory (#5) and 3D sharding (#8) issues")
-    if e.rollout.backend != "native" or e.rollout.tp != 1:
-        raise NotYetSupported("engine.rollout other than backend=native, tp=1", "the rollout issue (#6)")
+    if e.rollout.tp != 1:
+        raise NotYetSupported("engine.rollout.tp other than 1", "the 3D sharding issue (#8)")
 
 
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO

@@ -150,6 +150,16 @@ def update(cfg, batch, exp, m: Models, opts, micro: int, seed: int, it: int) -> 
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
+def backend_options(p, prompts: list[list[int]]) -> dict:
+    """The rollout backend's settings from params: only vllm takes any."""
+    if p.engine.rollout.backend != "vllm":
+        return {}
+    v = p.engine.rollout.vllm
+    return {"bucket_mib": v.bucket_mib, "kv_cache_gib": v.kv_cache_gib, "gpu_memory_utilization":
+            v.gpu_memory_utilization, "sleep": v.sleep, "seed": p.pipeline.seed,
+            "max_model_len": max(len(x) for x in prompts) + p.ppo.max_new_tokens}
+
+
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.ppo
     seed_all(p.pipeline.seed)
@@ -165,7 +175,8 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             for o in (adamw(m.actor_params, cfg.actor_lr), adamw(m.critic_params, cfg.critic_lr))]
     m.frozen_check([o for o, _ in opts])
     actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing, optimizer=opts[0][0],
-                        offload_optimizer=p.engine.rollout.offload_optimizer)
+                        offload_optimizer=p.engine.rollout.offload_optimizer, backend=p.engine.rollout.backend,
+                        backend_options=backend_options(p, prompts))
     m.policy.train()
     m.critic.train()
     stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
@@ -175,37 +186,42 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                       "critic_optimizer": opts[1][0], "critic_schedule": opts[1][1]}, log)
     start, state = loop.resume()
     history = state.get("history", [])
-    for it in range(cfg.iterations):
-        batch_prompts = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
-        if it < start:
-            continue
-        fault_point("ppo", it)
-        torch.manual_seed(p.pipeline.seed * 100_003 + it)
-        t0 = time.perf_counter()
-        with m.use("actor"), actor.rollout():
-            responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_k=cfg.top_k, top_p=cfg.top_p)
-        t1 = time.perf_counter()
-        batch = pack(batch_prompts, responses, tok.pad_token_id)
-        exp = make_experience(cfg, batch, m, tok.eos_token_id, cfg.micro_batch_size)
-        if fault_active("ppo", "nan", it):
-            exp["scores"][0] = float("nan")
-        t2 = time.perf_counter()
-        if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
+    try:
+        for it in range(cfg.iterations):
+            batch_prompts = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
+            if it < start:
+                continue
+            fault_point("ppo", it)
+            torch.manual_seed(p.pipeline.seed * 100_003 + it)
+            t0 = time.perf_counter()
+            with m.use("actor"), actor.rollout():
+                responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
+                                           top_k=cfg.top_k, top_p=cfg.top_p)
+            t1 = time.perf_counter()
+            batch = pack(batch_prompts, responses, tok.pad_token_id)
+            exp = make_experience(cfg, batch, m, tok.eos_token_id, cfg.micro_batch_size)
+            if fault_active("ppo", "nan", it):
+                exp["scores"][0] = float("nan")
+            t2 = time.perf_counter()
+            if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
+                loop.after_step(it + 1, history=history)
+                continue
+            stats = update(cfg, batch, exp, m, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
+            t3 = time.perf_counter()
+            mask = exp["mask"]
+            metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
+                       "response_length": float(mask.sum(1).mean()), "ended_fraction": float(exp["ended"].float().mean()),
+                       "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], mask)),
+                       "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
+                       "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
+                       "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
+                       **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+            history.append(metrics)
+            log.step(it, stats["policy_loss"], int(batch.attention_mask.sum()), **metrics)
             loop.after_step(it + 1, history=history)
-            continue
-        stats = update(cfg, batch, exp, m, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
-        t3 = time.perf_counter()
-        mask = exp["mask"]
-        metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
-                   "response_length": float(mask.sum(1).mean()), "ended_fraction": float(exp["ended"].float().mean()),
-                   "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], mask)),
-                   "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
-                   "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
-                   "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats}
-        history.append(metrics)
-        log.step(it, stats["policy_loss"], int(batch.attention_mask.sum()), **metrics)
-        loop.after_step(it + 1, history=history)
+    finally:
+        actor.close()  # a vLLM engine lets go of its memory before evaluation runs in this process
     summary = log.close()
     if not history:
         raise RuntimeError("ppo: every rollout batch was skipped as non-finite; nothing was trained")

@@ -384,7 +384,6 @@ def test_overrides_model_rejects_wrong_type(value):
     ({"engine": {"layout": {"tp": 2}}}, "engine.layout"),
     ({"engine": {"layout": {"zero_stage": 2}}}, "engine.layout"),
     ({"engine": {"layout": {"offload_params": True}}}, "engine.layout"),
-    ({"engine": {"rollout": {"backend": "vllm"}}}, "engine.rollout"),
     ({"engine": {"rollout": {"tp": 2}}}, "engine.rollout"),
 ])
 def test_not_yet_supported_options_are_refused(overrides, names):

@@ -1,5 +1,5 @@
-"""The pre-flight memory floor: weights, gradients and optimizer states per stage, and the refusal when
-the machine has less than that."""
+"""Pre-flight checks on the engine: the memory floor (weights, gradients and optimizer states per stage, and
+the refusal when the machine has less than that) and the vllm extra when the params ask for it."""
 from __future__ import annotations
 
 import pytest
@@ -41,3 +41,16 @@ def test_preflight_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch):
     assert "4-bit" in msg and "\n" not in msg
     monkeypatch.setattr(checks, "available_memory", lambda: (2**40, "the test's RAM"))
     checks.preflight(p)  # the same run passes with room to spare
+
+
+def test_vllm_backend_without_the_extra_is_refused_before_any_stage(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path)},
+                             "engine": {"rollout": {"backend": "vllm"}}})
+    with pytest.raises(InputError) as e:
+        checks.preflight(p)
+    assert str(e.value).startswith("engine.rollout.backend: vllm is not installed") and "hybrid-rlhf[vllm]" in str(e.value)
+    checks.preflight(load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path), "stages": ["sft"]},
+                                          "engine": {"rollout": {"backend": "vllm"}}}))  # no PPO: not needed
