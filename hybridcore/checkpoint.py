@@ -2,7 +2,8 @@
 sha256 before use, the newest K kept.
 
 Weights go to safetensors; optimizer, schedule and torch RNG states to a torch file that is loaded with
-weights_only=True and only after its hash verifies; python/numpy RNG and the loop's own state (step,
+weights_only=True and only after its hash verifies (a DeepSpeed engine writes its own shards, in its own
+format, into a sub-folder: also loaded only after the hashes verify); python/numpy RNG and the loop's own state (step,
 loss history, counters) to JSON. A corrupt or truncated checkpoint is reported in one line and the
 previous one is used.
 """
@@ -55,9 +56,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, step: int, models: dict, stateful: dict, state: dict) -> Path:
+    def save(self, step: int, models: dict, stateful: dict, state: dict, engines: Optional[dict] = None) -> Path:
         """models: name -> nn.Module; stateful: name -> object with state_dict() (optimizers, schedules);
-        state: JSON-able loop state. Everything goes to a temp folder that is renamed only when complete, so a
+        state: JSON-able loop state; engines: name -> TrainEngine under DeepSpeed (save(folder)/load(folder)).
+        Everything goes to a temp folder that is renamed only when complete, so a
         failed write (a full disk) leaves the previous checkpoints as they were; it raises CheckpointWriteError."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step}"
@@ -65,7 +67,7 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir()
-            self._write(tmp, step, models, stateful, state)
+            self._write(tmp, step, models, stateful, state, engines or {})
         except Exception as e:  # ENOSPC shows up as OSError, or as RuntimeError from torch.save's writer
             shutil.rmtree(tmp, ignore_errors=True)
             kept, why = self.latest(), getattr(e, "strerror", None) or e
@@ -79,9 +81,11 @@ class Checkpointer:
         self._prune()
         return final
 
-    def _write(self, tmp: Path, step: int, models: dict, stateful: dict, state: dict) -> None:
+    def _write(self, tmp: Path, step: int, models: dict, stateful: dict, state: dict, engines: dict) -> None:
         for name, model in models.items():
             save_model(model, str(tmp / f"{name}.safetensors"))
+        for name, engine in engines.items():
+            engine.save(tmp / name)
         fault_point(self.stage, "checkpoint", step)
         if fault_active(self.stage, "enospc", step):  # a disk that fills up halfway through the write
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state.pt"))
@@ -127,10 +131,12 @@ class Checkpointer:
             log.warning("%s: checkpoint %s is unusable (%s); trying the previous one", self.stage, folder, problem)
         return None
 
-    def load(self, folder: Path, models: dict, stateful: dict) -> tuple[int, dict]:
+    def load(self, folder: Path, models: dict, stateful: dict, engines: Optional[dict] = None) -> tuple[int, dict]:
         """Restore weights, optimizer/schedule and RNG states; returns (step, loop state)."""
         for name, model in models.items():
             load_model(model, str(folder / f"{name}.safetensors"))
+        for name, engine in (engines or {}).items():
+            engine.load(folder / name)
         blob = torch.load(folder / "state.pt", weights_only=True)
         for k, v in stateful.items():
             v.load_state_dict(blob["stateful"][k])

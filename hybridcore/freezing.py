@@ -37,8 +37,11 @@ def tracked_frozen(models: Mapping[str, torch.nn.Module], trained: Iterable[torc
 
 
 def assert_frozen(stage: str, models: Mapping[str, torch.nn.Module], optimizers: Iterable) -> None:
-    """Fail loudly if any parameter that none of `optimizers` updates is still tracked by autograd."""
-    trained = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    """Fail loudly if any parameter that none of `optimizers` updates is still tracked by autograd (an entry may
+    also be the list of parameters an engine trains)."""
+    trained = [p for opt in optimizers
+               for p in ([q for group in opt.param_groups for q in group["params"]]
+                         if hasattr(opt, "param_groups") else opt)]
     found = tracked_frozen(models, trained)
     if found:
         more = f" and {len(found) - 5} more" if len(found) > 5 else ""

@@ -110,6 +110,7 @@ class TrainEngine:
             self.optimizer = optim.adamw(model, lr, weight_decay)
             self.scheduler = optim.warmup_cosine(self.optimizer, total_steps, warmup_ratio, min_lr_ratio)
             self.ds = None
+            self.trained = [p for g in self.optimizer.param_groups for p in g["params"]]
             return
         if groups is not None and groups.world != self.layout.world:
             raise ValueError(f"groups are for world {groups.world}, layout for {self.layout.world}")
@@ -131,6 +132,7 @@ class TrainEngine:
         bucket = max(2 ** 20, -(-n // 32) * 32)
         offload_adam = self.layout.offload_optimizer and cpu_adam
         groups_ = _param_groups(model, weight_decay)
+        self.trained = [p for g in groups_ for p in g["params"]]  # before ZeRO swaps the groups for flat partitions
         if offload_adam:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             opt = DeepSpeedCPUAdam(groups_, lr=lr, betas=(0.9, 0.95), adamw_mode=True)

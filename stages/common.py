@@ -167,12 +167,45 @@ def finite(stage: str, step: int, policy: str, **values) -> bool:
                     "skip such batches)")
 
 
+def trainer(p, model, *, lr: float, steps: int, warmup_ratio: float, min_lr_ratio: float, max_grad_norm: float,
+            micro_batch: int, weight_decay: float = 0.0):
+    """`model`'s optimizer, schedule and step as engine.layout says: plain torch AdamW, or DeepSpeed ZeRO-1/2
+    (optimizer states optionally offloaded to CPU) in this process."""
+    from hybridcore.parallel import Layout
+    from hybridcore.zero import TrainEngine
+    return TrainEngine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
+                       max_grad_norm=max_grad_norm, weight_decay=weight_decay, layout=Layout.of(p.engine.layout),
+                       micro_batch=micro_batch)
+
+
+def checkpoint_parts(engines: dict, models: dict) -> tuple[dict, dict, dict]:
+    """(models, stateful, engines) for Resumable, engines keyed by a name prefix: plain torch checkpoints the
+    models' weights and each optimizer and schedule; DeepSpeed engines write their own files, weights included."""
+    if all(e.ds is None for e in engines.values()):
+        stateful = {}
+        for prefix, e in engines.items():
+            stateful.update({f"{prefix}optimizer": e.optimizer, f"{prefix}schedule": e.scheduler})
+        return models, stateful, {}
+    return {}, {}, {f"{prefix}engine": e for prefix, e in engines.items()}
+
+
+def optimizer_metrics(engines: dict) -> dict[str, float]:
+    """Optimizer-state MiB each engine keeps on the accelerator and on the CPU (measured from the tensors held)."""
+    out = {}
+    for prefix, e in engines.items():
+        held = e.optimizer_bytes()
+        out[f"{prefix}optimizer_device_mib"] = held["device"] / 2**20
+        out[f"{prefix}optimizer_cpu_mib"] = held["cpu"] / 2**20
+    return out
+
+
 class Resumable:
     """A training loop's checkpoints: resume from the newest valid one, save every N steps, and stop
     cleanly (checkpoint, then Interrupted) when a stop was requested."""
 
-    def __init__(self, stage: str, out, cfg, models: dict, stateful: dict, log: StepLog):
-        self.stage, self.models, self.stateful, self.log = stage, models, stateful, log
+    def __init__(self, stage: str, out, cfg, models: dict, stateful: dict, engines: dict, log: StepLog):
+        """models, stateful, engines: as checkpoint_parts() gives them."""
+        self.stage, self.models, self.stateful, self.engines, self.log = stage, models, stateful, engines, log
         self.ckpt = Checkpointer(out, stage, cfg.checkpoint_every, cfg.keep_checkpoints)
 
     def resume(self) -> tuple[int, dict]:
@@ -180,7 +213,7 @@ class Resumable:
         folder = self.ckpt.latest()
         if folder is None:
             return 0, {}
-        step, state = self.ckpt.load(folder, self.models, self.stateful)
+        step, state = self.ckpt.load(folder, self.models, self.stateful, self.engines)
         self.log.restore(state.pop("log", {}))
         print(f"{self.stage}: resuming from {folder.name}", flush=True)
         return step, state
@@ -188,6 +221,6 @@ class Resumable:
     def after_step(self, done: int, **state) -> None:
         stop = stop_requested()
         if self.ckpt.due(done) or stop:
-            self.ckpt.save(done, self.models, self.stateful, {"log": self.log.state(), **state})
+            self.ckpt.save(done, self.models, self.stateful, {"log": self.log.state(), **state}, self.engines)
         if stop:
             raise Interrupted(f"{self.stage} stopped after step {done}, checkpoint written; run again to resume")

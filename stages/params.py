@@ -349,11 +349,34 @@ def check_supported(p: Params) -> None:
     check_roles(p)
     if e.memory_budget_gib is not None:
         raise NotYetSupported("engine.memory_budget_gib (the planner)", "the memory issue (#5)")
-    if e.layout.dp * e.layout.tp > 1 or e.layout.zero_stage or e.layout.offload_optimizer or e.layout.offload_params:
-        raise NotYetSupported("engine.layout other than dp=1, tp=1, zero_stage=0 without offload",
-                              "the memory (#5) and 3D sharding (#8) issues")
+    check_layout(p)
     if e.rollout.tp != 1:
         raise NotYetSupported("engine.rollout.tp other than 1", "the 3D sharding issue (#8)")
+
+
+def check_layout(p: Params) -> None:
+    """What the stages run today: one process, plain AdamW or DeepSpeed ZeRO-1/2 (optimizer states optionally on
+    CPU) for full fine-tunes. Several processes need the torchrun launch, ZeRO-3 the stages' forwards to go
+    through DeepSpeed's engine (both #8); ZeRO over adapters or a quantised base is not built (#5)."""
+    e, lay = p.engine, p.engine.layout
+    if lay == Layout():
+        return
+    from hybridcore.parallel import Layout as Plain, validate  # torch: only when a layout is asked for
+    validate(Plain.of(lay))
+    if lay.dp * lay.tp > 1:
+        raise NotYetSupported(f"engine.layout dp={lay.dp} x tp={lay.tp} in the stages (the torchrun launch)",
+                              "the 3D sharding issue (#8)")
+    if lay.zero_stage == 3:
+        raise NotYetSupported("engine.layout.zero_stage=3 in the stages", "the 3D sharding issue (#8)")
+    if lay.zero_stage == 0:
+        return
+    roles = [getattr(e.roles, r) for r in TRAINED]
+    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
+        raise NotYetSupported("engine.layout.zero_stage with LoRA, quantised roles or share_base (ZeRO shards "
+                              "full fine-tunes here)", "the memory issue (#5)")
+    if e.rollout.offload_optimizer:
+        raise InputError("engine.rollout.offload_optimizer: true under ZeRO (engine.layout.zero_stage > 0); expected "
+                         "false, and engine.layout.offload_optimizer: true to keep the optimizer states on the CPU")
 
 
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO

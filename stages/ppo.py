@@ -27,11 +27,10 @@ from hybridcore.forward import batched, response_logprobs, response_logprobs_ent
 from hybridcore.freezing import TrainableState, assert_frozen
 from hybridcore.models import DTYPES, load_tokenizer
 from hybridcore.shared_base import SharedBase, value_head
-from hybridcore.optim import adamw, step, warmup_cosine
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, checkpointed, export, finite, frozen, load_policy, load_scorer,
-                           lora_spec, role_precision, seed_all, with_lora)
+from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, frozen, load_policy,
+                           load_scorer, lora_spec, optimizer_metrics, role_precision, seed_all, trainer, with_lora)
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -113,7 +112,7 @@ def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
             "advantages": rl.masked_whiten(adv, mask), "scores": scores, "kl": kl, "mask": mask, "ended": ended}
 
 
-def update(cfg, batch, exp, m: Models, opts, micro: int, seed: int, it: int) -> dict:
+def update(cfg, batch, exp, m: Models, engines, micro: int, seed: int, it: int) -> dict:
     """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch."""
     g = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
@@ -133,20 +132,20 @@ def update(cfg, batch, exp, m: Models, opts, micro: int, seed: int, it: int) -> 
                     pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx],
                                                              mask, cfg.clip_range)
                     entropy = rl.masked_mean(ent, mask)
-                    ((pl - cfg.entropy_coef * entropy) * share).backward()
+                    engines[0].backward((pl - cfg.entropy_coef * entropy) * share)
                 with m.use("critic"):
                     values = response_values(m.critic, sub)
                     vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
-                    (vl * share).backward()
+                    engines[1].backward(vl * share)
                 for k, v in zip(stats, (pl, vl, clipfrac, vclip, approx_kl, entropy)):
                     stats[k].append(v.item())
             ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=stats["policy_loss"][-1],
                         value_loss=stats["value_loss"][-1])
-            for params, (opt, sched) in zip((m.actor_params, m.critic_params), opts):
+            for engine in engines:
                 if ok:
-                    step(params, opt, sched, cfg.max_grad_norm)
+                    engine.step()
                 else:
-                    opt.zero_grad(set_to_none=True)
+                    engine.zero_grad()
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
@@ -171,19 +170,20 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         raise InputError(f"data.prompts: {len(prompts)} prompts is fewer than ppo.rollout_batch_size="
                          f"{cfg.rollout_batch_size}")
     updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-    opts = [(o, warmup_cosine(o, updates, cfg.warmup_ratio, 1.0))
-            for o in (adamw(m.actor_params, cfg.actor_lr), adamw(m.critic_params, cfg.critic_lr))]
-    m.frozen_check([o for o, _ in opts])
-    actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing, optimizer=opts[0][0],
+    engines = [trainer(p, params, lr=lr, steps=updates, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=1.0,
+                       max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
+               for params, lr in ((m.actor_params, cfg.actor_lr), (m.critic_params, cfg.critic_lr))]
+    m.frozen_check([e.trained for e in engines])
+    actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing,
+                        optimizer=engines[0].optimizer if p.engine.rollout.offload_optimizer else None,
                         offload_optimizer=p.engine.rollout.offload_optimizer, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts))
     m.policy.train()
     m.critic.train()
     stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
     log = StepLog("ppo", cfg.iterations, sink)
-    loop = Resumable("ppo", out, cfg, m.checkpoint,
-                     {"actor_optimizer": opts[0][0], "actor_schedule": opts[0][1],
-                      "critic_optimizer": opts[1][0], "critic_schedule": opts[1][1]}, log)
+    loop = Resumable("ppo", out, cfg, *checkpoint_parts({"actor_": engines[0], "critic_": engines[1]}, m.checkpoint),
+                     log)
     start, state = loop.resume()
     history = state.get("history", [])
     try:
@@ -206,7 +206,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
                 loop.after_step(it + 1, history=history)
                 continue
-            stats = update(cfg, batch, exp, m, opts, cfg.micro_batch_size, p.pipeline.seed + it, it)
+            stats = update(cfg, batch, exp, m, engines, cfg.micro_batch_size, p.pipeline.seed + it, it)
             t3 = time.perf_counter()
             mask = exp["mask"]
             metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
@@ -222,7 +222,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             loop.after_step(it + 1, history=history)
     finally:
         actor.close()  # a vLLM engine lets go of its memory before evaluation runs in this process
-    summary = log.close()
+    summary = {**log.close(), **optimizer_metrics({"actor_": engines[0], "critic_": engines[1]})}
     if not history:
         raise RuntimeError("ppo: every rollout batch was skipped as non-finite; nothing was trained")
     k = max(1, len(history) // 10)

@@ -14,12 +14,12 @@ from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
 from hybridcore.forward import sequence_scores
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
-from hybridcore.optim import adamw, step, warmup_cosine
+from hybridcore.oom import OomBackoff
 from stages import data
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
-from stages.common import (Resumable, StepLog, checkpointed, export, finite, load_scorer, seed_all, total_steps,
-                           with_lora)
+from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, load_scorer,
+                           optimizer_metrics, seed_all, total_steps, trainer, with_lora)
 
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
@@ -58,36 +58,42 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     prompts, chosen, rejected = encode_pairs(tok, split.train, cfg.max_seq_len, "data.preferences")
     held = encode_pairs(tok, split.heldout, cfg.max_seq_len, "data.preferences (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "reward.batch_size")
-    opt = adamw(model, cfg.lr, cfg.weight_decay)
-    assert_frozen("reward", {"model": model}, [opt])
-    sched = warmup_cosine(opt, steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
+                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
+    assert_frozen("reward", {"model": model}, [engine.trained])
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("reward", steps, sink)
-    loop = Resumable("reward", out, cfg, {"model": checkpointed(model, peft)}, {"optimizer": opt, "schedule": sched},
-                     log)
+    loop = Resumable("reward", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
+    backoff = OomBackoff("reward", cfg.micro_batch_size)
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("reward", i)
-        total, correct = 0.0, 0.0
-        for s in micro_batches(len(idx), cfg.micro_batch_size):
+        correct = [0.0]
+
+        def micro_step(s: slice) -> float:
+            if s.start == 0:  # a step redone at a smaller micro-batch counts its hits again from zero
+                correct[0] = 0.0
             rows = idx[s]
             c, r = pair_scores(model, [prompts[j] for j in rows], [chosen[j] for j in rows],
                                [rejected[j] for j in rows], tok.pad_token_id)
             loss = -F.logsigmoid(c - r).sum() / len(idx)
-            loss.backward()
-            total += loss.item()
-            correct += float((c > r).sum())
+            engine.backward(loss)
+            correct[0] += float((c > r).sum())
+            return loss.item()
+
+        total = backoff.run(i, len(idx), micro_step, engine.zero_grad)
         if finite("reward", i, cfg.on_nonfinite, loss=total):
-            norm = step(model, opt, sched, cfg.max_grad_norm)
+            norm = engine.step()
             n_tokens = sum(len(prompts[j]) * 2 + len(chosen[j]) + len(rejected[j]) for j in idx)
-            log.step(i, total, n_tokens, accuracy=correct / len(idx), lr=sched.get_last_lr()[0], grad_norm=norm)
+            log.step(i, total, n_tokens, accuracy=correct[0] / len(idx), lr=engine.lr, grad_norm=norm,
+                     micro_batch=backoff.micro_batch)
         else:
-            opt.zero_grad(set_to_none=True)
+            engine.zero_grad()
         loop.after_step(i + 1)
-    metrics = log.close()
+    metrics = {**log.close(), **optimizer_metrics({"": engine})}
     metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)

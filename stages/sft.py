@@ -1,7 +1,8 @@
 """Supervised fine-tuning: causal-LM loss on response tokens only (the prompt is masked).
 
-AdamW with warm-up and cosine decay, gradient accumulation over micro-batches; the loss is the mean
-over every response token of the whole batch, whatever the micro-batching.
+AdamW with warm-up and cosine decay (plain torch, or DeepSpeed ZeRO as engine.layout says), gradient
+accumulation over micro-batches; the loss is the mean over every response token of the whole batch, whatever
+the micro-batching, so an out-of-memory back-off that halves the micro-batch leaves the step unchanged.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
 from hybridcore.forward import response_nll
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
-from hybridcore.optim import adamw, step, warmup_cosine
+from hybridcore.oom import OomBackoff
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, base_model, checkpointed, export, finite, seed_all, total_steps,
-                           with_lora)
+from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, export, finite,
+                           optimizer_metrics, seed_all, total_steps, trainer, with_lora)
 
 
 def token_losses(model, batch):
@@ -50,37 +51,39 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     h_prompts, h_responses = encode(tok, split.heldout["prompt"], split.heldout["response"], cfg.max_seq_len,
                                     "data.sft (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
-    opt = adamw(model, cfg.lr, cfg.weight_decay)
-    assert_frozen("sft", {"model": model}, [opt])
-    sched = warmup_cosine(opt, steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
+                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
+    assert_frozen("sft", {"model": model}, [engine.trained])
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
     log = StepLog("sft", steps, sink)
-    loop = Resumable("sft", out, cfg, {"model": checkpointed(model, peft)}, {"optimizer": opt, "schedule": sched},
-                     log)
+    loop = Resumable("sft", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
+    backoff = OomBackoff("sft", cfg.micro_batch_size)
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("sft", i)
         n_tokens = sum(len(responses[j]) for j in idx)
-        total = 0.0
-        for s in micro_batches(len(idx), cfg.micro_batch_size):
+
+        def micro_step(s: slice) -> float:
             rows = idx[s]
             batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id)
             loss, _ = token_losses(model, batch)
             loss = (loss * batch.response_mask).sum() / n_tokens
             if fault_active("sft", "nan", i):
                 loss = loss * float("nan")
-            loss.backward()
-            total += loss.item()
+            engine.backward(loss)
+            return loss.item()
+
+        total = backoff.run(i, len(idx), micro_step, engine.zero_grad)
         if finite("sft", i, cfg.on_nonfinite, loss=total):
-            norm = step(model, opt, sched, cfg.max_grad_norm)
-            log.step(i, total, n_tokens, lr=sched.get_last_lr()[0], grad_norm=norm)
+            norm = engine.step()
+            log.step(i, total, n_tokens, lr=engine.lr, grad_norm=norm, micro_batch=backoff.micro_batch)
         else:
-            opt.zero_grad(set_to_none=True)
+            engine.zero_grad()
         loop.after_step(i + 1)
-    metrics = log.close()
+    metrics = {**log.close(), **optimizer_metrics({"": engine})}
     metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, cfg.micro_batch_size))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)

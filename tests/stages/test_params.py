@@ -382,8 +382,10 @@ def test_overrides_model_rejects_wrong_type(value):
     ({"engine": {"memory_budget_gib": 20}}, "engine.memory_budget_gib"),
     ({"engine": {"layout": {"dp": 2}}}, "engine.layout"),
     ({"engine": {"layout": {"tp": 2}}}, "engine.layout"),
-    ({"engine": {"layout": {"zero_stage": 2}}}, "engine.layout"),
-    ({"engine": {"layout": {"offload_params": True}}}, "engine.layout"),
+    ({"engine": {"layout": {"zero_stage": 3, "offload_params": True}}}, "engine.layout.zero_stage=3"),
+    ({"engine": {"layout": {"zero_stage": 2}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8,
+                                                                              "targets": ["q_proj"]}}}}},
+     "engine.layout.zero_stage with LoRA"),
     ({"engine": {"rollout": {"tp": 2}}}, "engine.rollout"),
 ])
 def test_not_yet_supported_options_are_refused(overrides, names):
