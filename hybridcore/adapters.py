@@ -11,7 +11,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -97,12 +97,15 @@ def use_adapter(model, adapter: Optional[str]):
             m._active_adapter, m._disable_adapters = active, disabled
 
 
-def merged_state_dict(model, adapter: Optional[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Plain weights of `model` with `adapter` merged in (None: the base alone), quantised layers
-    dequantised, every floating tensor in `dtype`: the state dict of the un-adapted architecture."""
+def merged_weights(model, adapters: Callable[[object], list[str]], buffers: bool = False, tied_once: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every weight of the un-adapted architecture, one module at a time: a LoRA
+    layer yields its base weight plus the deltas of `adapters(layer)`, a 4/8-bit layer its dequantised weight
+    (only those are new tensors; plain parameters come as they are). buffers: persistent buffers too;
+    tied_once: a parameter shared by two modules (tied embeddings) under its first name only."""
     from peft.tuners.lora import LoraLayer
 
-    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     lora_prefixes: list[str] = []
     for name, m in model.named_modules():
         if any(name.startswith(p) for p in lora_prefixes):
@@ -111,19 +114,32 @@ def merged_state_dict(model, adapter: Optional[str], dtype: torch.dtype) -> dict
         if isinstance(m, LoraLayer):
             lora_prefixes.append(prefix)
             base = m.get_base_layer()
-            w = dequantized_weight(base).float()
-            if adapter is not None and adapter in m.lora_A:
-                w = w + m.get_delta_weight(adapter).float()
-            out[prefix + "weight"] = w
+            w = dequantized_weight(base)
+            deltas = [m.get_delta_weight(a) for a in adapters(m)]
+            if deltas:
+                w = w.float() + sum(d.float() for d in deltas)
+            yield prefix + "weight", w
             if getattr(base, "bias", None) is not None:
-                out[prefix + "bias"] = base.bias.detach()
+                yield prefix + "bias", base.bias.detach()
             continue
-        own = dict(m.named_parameters(recurse=False))
-        if "weight" in own and type(own["weight"]).__name__ in ("Params4bit", "Int8Params"):
-            own["weight"] = dequantized_weight(m)
-        own.update({k: b for k, b in m.named_buffers(recurse=False) if k not in m._non_persistent_buffers_set})
-        out.update({prefix + k: v.detach() for k, v in own.items()})
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in out.items()}
+        for k, p in m.named_parameters(recurse=False):
+            if tied_once and id(p) in seen:
+                continue
+            seen.add(id(p))
+            quantized = k == "weight" and type(p).__name__ in ("Params4bit", "Int8Params")
+            yield prefix + k, (dequantized_weight(m) if quantized else p.detach())
+        if buffers:
+            for k, v in m.named_buffers(recurse=False):
+                if k not in m._non_persistent_buffers_set:
+                    yield prefix + k, v.detach()
+
+
+def merged_state_dict(model, adapter: Optional[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Plain weights of `model` with `adapter` merged in (None: the base alone), quantised layers
+    dequantised, every floating tensor in `dtype`: the state dict of the un-adapted architecture."""
+    weights = merged_weights(model, lambda m: [adapter] if adapter is not None and adapter in m.lora_A else [],
+                             buffers=True)
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in weights}
 
 
 def save_merged(model, tokenizer, out_dir: Path, adapter: Optional[str], dtype: torch.dtype) -> None:

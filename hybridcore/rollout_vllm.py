@@ -43,40 +43,13 @@ def plain_model(model):
 
 
 def export_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for every weight of the un-adapted architecture, one module at a time.
+    """What the engine receives: every weight of the un-adapted architecture with the active, enabled
+    adapters merged in and quantised layers dequantised, tied weights once (vLLM re-ties them)."""
+    from hybridcore.adapters import merged_weights
 
-    Plain parameters are yielded as they are (no copy); a LoRA layer yields its base weight with the active,
-    enabled adapters merged in, and a 4/8-bit layer its dequantised weight: only those are new tensors."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        LoraLayer = ()
-    from hybridcore.quant import dequantized_weight
-
-    seen: set[int] = set()  # tied weights are yielded once, under their first name (vLLM re-ties them)
-    skip: list[str] = []
-    for name, m in plain_model(model).named_modules():
-        if any(name.startswith(p) for p in skip):
-            continue  # a LoRA layer's own children (base_layer, lora_A/B) are handled with it
-        prefix = f"{name}." if name else ""
-        if LoraLayer and isinstance(m, LoraLayer):
-            skip.append(prefix)
-            base = m.get_base_layer()
-            w = dequantized_weight(base)
-            if not m.disable_adapters:
-                delta = [m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A]
-                if delta:
-                    w = w.float() + sum(d.float() for d in delta)
-            yield prefix + "weight", w
-            if getattr(base, "bias", None) is not None:
-                yield prefix + "bias", base.bias.detach()
-            continue
-        for k, p in m.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            quantized = k == "weight" and type(p).__name__ in ("Params4bit", "Int8Params")
-            yield prefix + k, (dequantized_weight(m) if quantized else p.detach())
+    def active(layer) -> list[str]:
+        return [] if layer.disable_adapters else [a for a in layer.active_adapters if a in layer.lora_A]
+    return merged_weights(plain_model(model), active, tied_once=True)
 
 
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype):
