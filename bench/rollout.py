@@ -253,6 +253,7 @@ def transitions(model, a, res, device):
     rows = []
     for offload in (False, True):
         actor = HybridActor(model, tok, optimizer=opt, offload_optimizer=offload)
+        reserve_s = timed(actor.reserve_host_states, device, 1)[1][0]  # as PPO does after its first update
         for rep in range(2):
             before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
             with actor.rollout():
@@ -268,7 +269,7 @@ def transitions(model, a, res, device):
                          "allocated_before": before, "allocated_after_enter": inside,
                          "allocated_after_generate": during, "generate_s": gen_s,
                          "generate_prefill_plus_decode_s": st["prefill_s"] + st["decode_s"],
-                         "compiled": st["compiled"], "cuda_graph": st["cuda_graph"]})
+                         "compiled": st["compiled"], "cuda_graph": st["cuda_graph"], "reserve_host_s": reserve_s})
         res["transitions"] = {"optimizer_state_bytes": state_bytes, "rows": rows}
         a.flush(res)
     model.train()

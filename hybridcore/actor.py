@@ -106,6 +106,25 @@ class HybridActor:
 
     # -------------------------------------------------------------------------------- optimizer offload
 
+    def reserve_host_states(self) -> int:
+        """Allocate the pinned CPU buffers the optimizer states will be offloaded into, outside any transition
+        (pinning GiBs takes seconds once; call it after the first optimizer step, when the states exist).
+        Returns the bytes reserved so far."""
+        if self.offload_optimizer:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v):
+                        self._host_buffer(state, k, v)
+        return sum(t.nbytes for t in self._host_states.values())
+
+    def _host_buffer(self, state: dict, k: str, v: torch.Tensor) -> torch.Tensor:
+        key = (id(state), k)
+        host = self._host_states.get(key)
+        if host is None or host.shape != v.shape or host.dtype != v.dtype:
+            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+            self._host_states[key] = host
+        return host
+
     def _offload_optimizer_states(self) -> None:
         """Copy every optimizer state tensor to (pinned, reused) CPU memory and drop the device copy, so the
         KV cache can use that memory during rollout."""
@@ -114,11 +133,7 @@ class HybridActor:
             for k, v in list(state.items()):
                 if not torch.is_tensor(v):
                     continue
-                key = (id(state), k)
-                host = self._host_states.get(key)
-                if host is None or host.shape != v.shape or host.dtype != v.dtype:
-                    host = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-                    self._host_states[key] = host
+                host = self._host_buffer(state, k, v)
                 host.copy_(v, non_blocking=v.is_cuda)
                 cuda |= v.is_cuda
                 self._offloaded.append((state, k, v.device))

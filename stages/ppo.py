@@ -207,6 +207,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                 loop.after_step(it + 1, history=history)
                 continue
             stats = update(cfg, batch, exp, m, engines, cfg.micro_batch_size, p.pipeline.seed + it, it)
+            actor.reserve_host_states()  # the offload buffers are pinned here, never inside a transition
             t3 = time.perf_counter()
             mask = exp["mask"]
             metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
