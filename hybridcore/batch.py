@@ -28,6 +28,10 @@ class Batch:
         """Column of each row's last real token (the response's, or the prompt's if the response is empty)."""
         return self.prompt_len + self.response_mask.sum(1).long() - 1
 
+    def to(self, device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                     self.response_mask.to(device), self.prompt_len)
+
     def select(self, idx) -> "Batch":
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.response_mask[idx],
                      self.prompt_len)
@@ -62,11 +66,13 @@ def right_pad(seqs: list[list[int]], pad_id: int, width: int | None = None):
     return ids, mask
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None) -> Batch:
+    """The batch of these rows, on `device` (where the model that reads it lives; None = the CPU)."""
     p_ids, p_mask = left_pad(prompts, pad_id)
     r_ids, r_mask = right_pad(responses, pad_id)
     mask = torch.cat([p_mask, r_mask], 1)
-    return Batch(torch.cat([p_ids, r_ids], 1), mask, position_ids(mask), r_mask, p_ids.shape[1])
+    batch = Batch(torch.cat([p_ids, r_ids], 1), mask, position_ids(mask), r_mask, p_ids.shape[1])
+    return batch if device is None else batch.to(device)
 
 
 def micro_batches(n: int, size: int):

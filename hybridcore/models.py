@@ -192,12 +192,23 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """engine.device: "auto" is the current GPU when torch sees one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("engine.device: cuda, but torch sees no GPU here (expected auto or cpu on this machine)")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
 def _kwargs(precision: str, attention: str, trust_remote_code: bool, path: str, quantization: str = "none",
-            quant_field: str = "quantization", model_cls=None) -> dict:
+            quant_field: str = "quantization", model_cls=None, device: str = "cpu") -> dict:
     # use_safetensors=True makes from_pretrained refuse pickles itself; False only when check_model_folder
     # accepted pickles (allow_pickle) because the folder has no safetensors.
     kwargs = dict(dtype=DTYPES[precision], attn_implementation=attention, trust_remote_code=trust_remote_code,
                   use_safetensors=any(Path(path).glob("*.safetensors")))
+    if str(device) != "cpu":  # weights load straight onto the GPU (quantised ones are packed on the way)
+        kwargs["device_map"] = {"": str(device)}
     if quantization != "none":
         from hybridcore.quant import bnb_config, check_4bit_config
         kwargs["quantization_config"] = bnb_config(quantization, DTYPES[precision], quant_field)
@@ -213,10 +224,11 @@ def _first_line(e: Exception) -> str:
 
 def load_causal_lm(path: str, precision: str = "fp32", attention: str = "sdpa", trust_remote_code: bool = False,
                    field: str = "model.path", allow_pickle: bool = False, quantization: str = "none",
-                   quant_field: str = "quantization"):
+                   quant_field: str = "quantization", device: str = "cpu"):
     """quantization: none | 8bit | 4bit (bitsandbytes; see hybridcore/quant.py), errors named by quant_field."""
     check_model_folder(path, field, allow_pickle, trust_remote_code)
-    kwargs = _kwargs(precision, attention, trust_remote_code, path, quantization, quant_field, AutoModelForCausalLM)
+    kwargs = _kwargs(precision, attention, trust_remote_code, path, quantization, quant_field, AutoModelForCausalLM,
+                     device)
     try:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -235,12 +247,12 @@ def _after_quantized_load(model, quantization: str):
 def load_sequence_scorer(path: str, precision: str = "fp32", attention: str = "sdpa",
                          trust_remote_code: bool = False, pad_token_id: Optional[int] = None,
                          field: str = "model.path", allow_pickle: bool = False, quantization: str = "none",
-                         quant_field: str = "quantization"):
+                         quant_field: str = "quantization", device: str = "cpu"):
     """An AutoModelForSequenceClassification with one label: a reward model, or a critic's starting point
     (its `score` head, applied per token, gives values)."""
     check_model_folder(path, field, allow_pickle, trust_remote_code)
     kwargs = _kwargs(precision, attention, trust_remote_code, path, quantization, quant_field,
-                     AutoModelForSequenceClassification)
+                     AutoModelForSequenceClassification, device)
     try:
         with _quiet_transformers():
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)

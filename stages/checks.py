@@ -139,8 +139,13 @@ def static_bytes(p: Params, stage: str, n_params: int) -> int:
     return int(total)
 
 
-def available_memory() -> tuple[int, str]:
-    """(bytes, where): what the stages can use today. They run on the CPU, so that is RAM not in use."""
+def available_memory(p: Params) -> tuple[int, str]:
+    """(bytes, where): free memory of the device the stages run on (engine.device): the GPU's, or RAM."""
+    from hybridcore.models import resolve_device
+    dev = resolve_device(p.engine.device)
+    if dev.type == "cuda":
+        import torch
+        return torch.cuda.mem_get_info(dev)[0], f"the free memory of GPU {dev.index}"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -158,7 +163,7 @@ def _memory(p: Params) -> None:
     n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
          else preset_param_count(p.model.preset))
     stage, need = max(((s, static_bytes(p, s, n)) for s in stage_list(p)), key=lambda x: x[1])
-    have, where = available_memory()
+    have, where = available_memory(p)
     if need <= have:
         return
     raise InputError(f"engine: {stage} needs at least {_size(need)} for the weights, gradients and optimizer "

@@ -25,11 +25,12 @@ def base_model(p):
     """(tokenizer, causal LM) the pipeline starts from: a local folder, or a preset built for this run;
     quantised as engine.roles.actor says (SFT trains the actor role)."""
     prec, attn, quant = role_precision(p, "actor"), p.engine.attention, p.engine.roles.actor.quantization
+    dev = device(p)
     if p.model.path is not None:
         tok = load_tokenizer(p.model.tokenizer or p.model.path, p.model.trust_remote_code,
                              "model.tokenizer" if p.model.tokenizer else "model.path")
         model = load_causal_lm(p.model.path, prec, attn, p.model.trust_remote_code, allow_pickle=p.model.allow_pickle,
-                               quantization=quant, quant_field=quant_field("actor"))
+                               quantization=quant, quant_field=quant_field("actor"), device=dev)
     else:
         tok = (load_tokenizer(p.model.tokenizer) if p.model.tokenizer
                else train_tokenizer(data.corpus(p), PRESETS[p.model.preset]["tokenizer_vocab"]))
@@ -38,10 +39,19 @@ def base_model(p):
         if quant != "none":  # bitsandbytes quantises while loading: go through an HF folder
             with tempfile.TemporaryDirectory(prefix="preset-") as tmp:
                 save_model(model, tok, Path(tmp))
-                model = load_causal_lm(tmp, prec, attn, quantization=quant, quant_field=quant_field("actor"))
+                model = load_causal_lm(tmp, prec, attn, quantization=quant, quant_field=quant_field("actor"),
+                                       device=dev)
+        else:
+            model = model.to(dev)
             model.config._name_or_path = ""  # the temporary folder is gone; adapters must not point at it
     check_vocab(model, tok, "model.tokenizer" if p.model.tokenizer else "model")
     return tok, model
+
+
+def device(p):
+    """Where this run's stages put their models and batches (engine.device)."""
+    from hybridcore.models import resolve_device
+    return resolve_device(p.engine.device)
 
 
 def role_precision(p, role: str) -> str:
@@ -60,13 +70,14 @@ def lora_spec(p, role: str) -> Optional[LoraSpec]:
 def load_scorer(p, folder, role: str, pad_token_id: int):
     return load_sequence_scorer(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
                                 pad_token_id=pad_token_id, field=f"{role} model",
-                                quantization=getattr(p.engine.roles, role).quantization, quant_field=quant_field(role))
+                                quantization=getattr(p.engine.roles, role).quantization, quant_field=quant_field(role),
+                                device=device(p))
 
 
 def load_policy(p, folder, role: str):
     return load_causal_lm(str(folder), role_precision(p, role), p.engine.attention, p.model.trust_remote_code,
                           field=f"{role} model", quantization=getattr(p.engine.roles, role).quantization,
-                          quant_field=quant_field(role))
+                          quant_field=quant_field(role), device=device(p))
 
 
 def with_lora(p, model, role: str, keep_trainable: tuple[str, ...] = ()):

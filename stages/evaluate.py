@@ -37,7 +37,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics, rows = {"prompts": len(prompts)}, [dict(prompt=t, answer=a) for t, a in zip(texts, gold)]
     for name in ("sft", "ppo"):
         responses = answers(load_policy(p, inputs[name] / "model", "actor"), tok, prompts, cfg)
-        rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id), cfg.batch_size)
+        rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id, rm.device), cfg.batch_size)
         decoded = tok.batch_decode(responses, skip_special_tokens=True)
         checks = [data.check_answer(r, a) for r, a in zip(decoded, gold)]
         metrics[f"{name}_reward"] = float(rewards.mean())

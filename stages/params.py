@@ -212,6 +212,7 @@ class Rollout(_Section):
 
 
 class Engine(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the stages run; auto = the GPU when torch sees one
     precision: Literal["fp32", "bf16"] = "bf16"
     attention: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = True

@@ -74,7 +74,7 @@ def load_models(p, inputs: dict[str, Path], tok) -> Models:
         base = load_policy(p, sft, "actor")
         head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
                           rm.score if cfg.critic_init == "reward" else None,
-                          getattr(base.config, "initializer_range", 0.02), p.pipeline.seed)
+                          getattr(base.config, "initializer_range", 0.02), p.pipeline.seed).to(base.device)
         sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
         return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
                       {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb)
@@ -106,7 +106,7 @@ def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
     kl = rl.kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask
     rewards = -cfg.kl_coef * kl
     last = (mask.sum(1).long() - 1).clamp(min=0)
-    rewards[torch.arange(len(batch)), last] += scores
+    rewards[torch.arange(len(batch), device=rewards.device), last] += scores
     adv, returns = rl.gae(rewards, values * mask, mask, cfg.gamma, cfg.lam)
     return {"old_logp": old_logp, "ref_logp": ref_logp, "values": values * mask, "returns": returns,
             "advantages": rl.masked_whiten(adv, mask), "scores": scores, "kl": kl, "mask": mask, "ended": ended}
@@ -198,7 +198,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                 responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                                            top_k=cfg.top_k, top_p=cfg.top_p)
             t1 = time.perf_counter()
-            batch = pack(batch_prompts, responses, tok.pad_token_id)
+            batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
             exp = make_experience(cfg, batch, m, tok.eos_token_id, cfg.micro_batch_size)
             if fault_active("ppo", "nan", it):
                 exp["scores"][0] = float("nan")

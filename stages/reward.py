@@ -24,7 +24,7 @@ from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, e
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
     """Scores of chosen and rejected responses, both in one forward pass."""
-    batch = pack(prompts + prompts, chosen + rejected, pad_id)
+    batch = pack(prompts + prompts, chosen + rejected, pad_id, model.device)
     scores = sequence_scores(model, batch)
     n = len(prompts)
     return scores[:n], scores[n:]

@@ -31,7 +31,7 @@ def evaluate(model, prompts, responses, pad_id, micro: int) -> dict:
     model.eval()
     loss_sum = hits = n = 0.0
     for s in micro_batches(len(prompts), micro):
-        batch = pack(prompts[s], responses[s], pad_id)
+        batch = pack(prompts[s], responses[s], pad_id, model.device)
         loss, hit = token_losses(model, batch)
         m = batch.response_mask
         loss_sum += float((loss * m).sum())
@@ -68,7 +68,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
 
         def micro_step(s: slice) -> float:
             rows = idx[s]
-            batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id)
+            batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id, model.device)
             loss, _ = token_losses(model, batch)
             loss = (loss * batch.response_mask).sum() / n_tokens
             if fault_active("sft", "nan", i):

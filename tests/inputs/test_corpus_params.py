@@ -55,7 +55,7 @@ OVERRIDES = {
         {"data": {"synthetic": {"n_prompts": 8}}},
         ["data.synthetic.n_prompts (8) is smaller than ppo.rollout_batch_size (16)"]),
     "an engine option not built yet": (
-        {"engine": {"rollout": {"backend": "vllm"}}}, ["engine.rollout", "not supported yet", "rollout issue"]),
+        {"engine": {"rollout": {"tp": 2}}}, ["engine.rollout.tp", "not supported yet", "3D sharding issue"]),
 }
 
 

@@ -32,14 +32,14 @@ def test_floor_with_qlora_and_a_shared_base():
 
 
 def test_preflight_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch):
-    monkeypatch.setattr(checks, "available_memory", lambda: (2**20, "the test's RAM"))
+    monkeypatch.setattr(checks, "available_memory", lambda p: (2**20, "the test's RAM"))
     p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path)}})
     with pytest.raises(InputError) as e:
         checks.preflight(p)
     msg = str(e.value)
     assert msg.startswith("engine: ppo needs at least") and "the test's RAM is 1 MiB" in msg, msg
     assert "4-bit" in msg and "\n" not in msg
-    monkeypatch.setattr(checks, "available_memory", lambda: (2**40, "the test's RAM"))
+    monkeypatch.setattr(checks, "available_memory", lambda p: (2**40, "the test's RAM"))
     checks.preflight(p)  # the same run passes with room to spare
 
 
@@ -54,3 +54,21 @@ def test_vllm_backend_without_the_extra_is_refused_before_any_stage(tmp_path, mo
     assert str(e.value).startswith("engine.rollout.backend: vllm is not installed") and "hybrid-rlhf[vllm]" in str(e.value)
     checks.preflight(load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path), "stages": ["sft"]},
                                           "engine": {"rollout": {"backend": "vllm"}}}))  # no PPO: not needed
+
+
+def test_engine_device_cuda_without_a_gpu_is_refused_up_front(tmp_path):
+    """This machine has no GPU: asking for one is a one-line input error before anything runs; auto is the CPU."""
+    import torch
+    from hybridcore.models import resolve_device
+    assert not torch.cuda.is_available()
+    assert resolve_device("auto") == torch.device("cpu")
+    p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path)}, "engine": {"device": "cuda"}})
+    with pytest.raises(InputError, match=r"^engine.device: cuda, but torch sees no GPU here"):
+        checks.preflight(p)
+
+
+def test_batches_go_where_the_model_is():
+    from hybridcore.batch import pack
+    b = pack([[1, 2], [3]], [[4], [5, 6]], 0, device="meta")
+    assert {t.device.type for t in (b.input_ids, b.attention_mask, b.position_ids, b.response_mask)} == {"meta"}
+    assert pack([[1, 2]], [[4]], 0).input_ids.device.type == "cpu"
