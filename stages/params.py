@@ -212,7 +212,9 @@ class Rollout(_Section):
 
 
 class Engine(_Section):
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the stages run; auto = the GPU when torch sees one
+    # where the stages run; auto = the GPU when torch sees one. cpu by default until the stages' GPU path has been
+    # run on a GPU (bench/stages_smoke.sh; the memory issue, #5)
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
     precision: Literal["fp32", "bf16"] = "bf16"
     attention: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = True
