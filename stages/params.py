@@ -7,7 +7,7 @@ that Prefect validates a deployment's overrides before a run is created.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Literal, Optional, get_args
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,

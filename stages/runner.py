@@ -87,7 +87,6 @@ def main(argv=None) -> int:
     inputs must already be in the artifact store. Prints the result as JSON. For tests and launchers."""
     import argparse
     import json
-    import sys
 
     from hybridcore.errors import InputError, TrainingFault, say
     from hybridcore.interrupts import Interrupted, install_handlers

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 from flows.server import free_port
 from tests.conftest import ROOT
