@@ -41,9 +41,9 @@ def base_model(p):
                 save_model(model, tok, Path(tmp))
                 model = load_causal_lm(tmp, prec, attn, quantization=quant, quant_field=quant_field("actor"),
                                        device=dev)
+            model.name_or_path = model.config._name_or_path = ""  # the temp folder is gone: adapters must not name it
         else:
             model = model.to(dev)
-            model.config._name_or_path = ""  # the temporary folder is gone; adapters must not point at it
     check_vocab(model, tok, "model.tokenizer" if p.model.tokenizer else "model")
     return tok, model
 

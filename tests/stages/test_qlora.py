@@ -52,6 +52,9 @@ def test_pipeline_runs_and_artifacts_are_merged_folders(qlora):
         assert all(type(p).__name__ == "Parameter" for p in model.parameters())
     assert sorted(json.loads((art["ppo"] / "adapter" / "adapters.json").read_text())["adapters"]) == \
         ["actor", "critic"]
+    for config in (a for stage in ("sft", "reward", "ppo") for a in (art[stage] / "adapter").rglob("adapter_config.json")):
+        base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+        assert "preset-" not in base, (config, base)  # never the temporary folder the 4-bit preset loaded from
     head = load_file(str(art["ppo"] / "adapter" / "value_head.safetensors"))
     assert head["weight"].shape == (1, 64)
     for sub in ("actor", "critic"):
