@@ -31,17 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def healthy(url: str) -> bool:
+    """True when the server at `url` answers its /health route (Prefect's API and MLflow both have one)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the Prefect server exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if healthy(url):
+            return
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError(f"the Prefect server at {url} was not healthy after {timeout:.0f} s")

@@ -10,9 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from flows.server import free_port, healthy
 from hybridcore.errors import InputError
 
 HOST = "127.0.0.1"
@@ -45,20 +45,6 @@ def check_port(port: int) -> None:
         except OSError:
             raise InputError(f"--port {port}: already in use on {HOST}; pick another (e.g. --port 0 for any "
                              f"free one)") from None
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _die_with_parent() -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flows.server import free_port, healthy
 from tests.conftest import ROOT, run_cli
 
 VARIANT = ["--set", "ppo.iterations=3", "--set", "ppo.kl_coef=0.1"]
@@ -43,20 +43,6 @@ def two_runs(tiny_run) -> TwoRuns:
                    tiny_run.workdir, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return TwoRuns(tiny_run.workdir, tiny_run.summary, json.loads((tiny_run.workdir / "variant.json").read_text()))
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def start_ui(workdir: Path, port: int, timeout: float = 120) -> Server:

@@ -45,18 +45,22 @@ def fresh_model(tok):
     return build_preset("micro", tok, seed=0).float()
 
 
-@pytest.fixture(scope="module")
-def eos_model(tok, prompts):
-    """A micro model in eval mode whose eos logit is 1.5x the logit of its most generated token, so that some
-    greedy responses stop at eos and others run to MAX_NEW tokens."""
-    model = fresh_model(tok).eval()
-    actor = HybridActor(model, tok)
+def with_likely_eos(model, tok, prompts, max_new: int = MAX_NEW):
+    """Make eos 1.5x as likely (in logit) as the model's favourite greedy token, so some rows stop early."""
+    actor = HybridActor(model.eval(), tok, backend="hf")
     with actor.rollout():
-        out = actor.generate(prompts, MAX_NEW, greedy=True)
+        out = actor.generate(prompts, max_new, greedy=True)
     top = Counter(t for row in out for t in row).most_common(1)[0][0]
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[top]
     return model
+
+
+@pytest.fixture(scope="module")
+def eos_model(tok, prompts):
+    """A micro model in eval mode whose eos logit is 1.5x the logit of its most generated token, so that some
+    greedy responses stop at eos and others run to MAX_NEW tokens."""
+    return with_likely_eos(fresh_model(tok), tok, prompts)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hybridcore.forward import response_logits
 from hybridcore.models import build_preset, train_tokenizer
 from hybridcore import rollout
 from hybridcore.rollout import HFGenerate, NativeRollout, sample, truncate
-from tests.hybridcore.test_actor import MAX_NEW, make_texts
+from tests.hybridcore.test_actor import MAX_NEW, make_texts, with_likely_eos
 
 LENGTHS = [5, 12, 1, 20, 8, 30, 3, 16, 7, 24]
 
@@ -30,17 +30,6 @@ def prompts(tok):
     texts = make_texts(2 * len(LENGTHS), seed=7)
     return [tok(texts[2 * i] + ". " + texts[2 * i + 1], add_special_tokens=False)["input_ids"][:n]
             for i, n in enumerate(LENGTHS)]
-
-
-def with_likely_eos(model, tok, prompts):
-    """Make eos 1.5x as likely (in logit) as the model's favourite greedy token, so some rows stop early."""
-    actor = HybridActor(model.eval(), tok, backend="hf")
-    with actor.rollout():
-        out = actor.generate(prompts, MAX_NEW, greedy=True)
-    top = Counter(t for row in out for t in row).most_common(1)[0][0]
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[top]
-    return model
 
 
 def gqa_model(tok, seed):
