@@ -32,8 +32,9 @@ def preflight(p: Params) -> None:
     root = _artifacts_root(p)
     tok, positions, where = _model(p)
     _context(p, positions, where)
-    _disk(p, root)
-    _memory(p)
+    n_params = _param_count(p)
+    _disk(p, root, n_params)
+    _memory(p, n_params)
     _rollout_backend(p)
     tables = {kind: data.read_table(getattr(p.data, kind).path, kind)
               for kind in data.COLUMNS if getattr(p.data, kind).path is not None}
@@ -105,14 +106,17 @@ def _context(p: Params, positions: Optional[int], where: str) -> None:
                              f"({positions} positions, {where}); expected fewer than {positions}")
 
 
-def _weights_bytes(p: Params) -> int:
+def _param_count(p: Params) -> int:
+    """The model's parameters, from the folder's safetensors headers or the preset's config (no weights read)."""
     from hybridcore.models import param_count_of_folder, preset_param_count
+    return (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
+            else preset_param_count(p.model.preset))
+
+
+def _weights_bytes(p: Params, n_params: int) -> int:
     precisions = {p.engine.precision} | {getattr(p.engine.roles, r).precision or p.engine.precision
                                          for r in ("actor", "critic", "reference", "reward")}
-    per_param = 4 if "fp32" in precisions else 2
-    n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
-         else preset_param_count(p.model.preset))
-    return n * per_param
+    return n_params * max(BYTES[x] for x in precisions)
 
 
 BYTES = {"fp32": 4, "bf16": 2}
@@ -128,7 +132,7 @@ def static_bytes(p: Params, stage: str, n_params: int) -> int:
     activations, no KV cache). A quantised weight counts its packed size; LoRA's adapters are ~1 % and left out;
     with share_base the actor's base serves critic and reference, so it counts once."""
     total = 0.0
-    for i, (role, trained) in enumerate(HOLDS[stage]):
+    for role, trained in HOLDS[stage]:
         r = getattr(p.engine.roles, role)
         if stage == "ppo" and p.engine.share_base and role in ("critic", "reference"):
             continue
@@ -156,12 +160,9 @@ def available_memory(p: Params) -> tuple[int, str]:
     return psutil.virtual_memory().available, "this machine's available RAM"
 
 
-def _memory(p: Params) -> None:
+def _memory(p: Params, n: int) -> None:
     """Refuse a run whose weights, gradients and optimizer states alone cannot fit: it would only fail (or
     swap) hours in. Activations come on top, so passing this check is necessary, not sufficient."""
-    from hybridcore.models import param_count_of_folder, preset_param_count
-    n = (param_count_of_folder(p.model.path, p.model.allow_pickle) if p.model.path is not None
-         else preset_param_count(p.model.preset))
     stage, need = max(((s, static_bytes(p, s, n)) for s in stage_list(p)), key=lambda x: x[1])
     have, where = available_memory(p)
     if need <= have:
@@ -186,10 +187,10 @@ def _all_cached(p: Params) -> bool:
     return all((artifact_dir(p.pipeline.artifacts_dir, s, keys[s]) / MANIFEST).is_file() for s in stage_list(p))
 
 
-def _disk(p: Params, root: Path) -> None:
+def _disk(p: Params, root: Path, n_params: int) -> None:
     """Refuse only when the disk is clearly too small: under 4x the weights (at the training precision) or
     a fixed floor. A run whose every stage is already in the store writes nothing and is let through."""
-    weights = _weights_bytes(p)
+    weights = _weights_bytes(p, n_params)
     need = max(DISK_FLOOR, DISK_FACTOR * weights)
     free = shutil.disk_usage(root).free
     if free >= need or _all_cached(p):

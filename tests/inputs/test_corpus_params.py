@@ -127,12 +127,13 @@ def test_full_disk_is_fine_when_every_stage_is_cached(built, monkeypatch):
 def test_disk_estimate_scales_with_the_model(monkeypatch):
     """The estimate is 4 x the weights at the training precision, with a floor for tiny presets."""
     p = load_params("test")
-    weights = checks._weights_bytes(p)
+    n = checks._param_count(p)
+    weights = checks._weights_bytes(p, n)
     assert weights == 131392 * 4            # the micro preset in fp32
-    assert checks._weights_bytes(load_params("test", {"engine": {"precision": "bf16"}})) == 131392 * 2
+    assert checks._weights_bytes(load_params("test", {"engine": {"precision": "bf16"}}), n) == 131392 * 2
     _full_disk(monkeypatch, checks.DISK_FLOOR - 1)
     with pytest.raises(InputError, match="256 MiB"):
-        checks._disk(p, checks._artifacts_root(p))
+        checks._disk(p, checks._artifacts_root(p), n)
 
 
 def test_small_synthetic_sets_pass_when_their_stage_does_not_run(built):
