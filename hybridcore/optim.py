@@ -6,13 +6,15 @@ import math
 import torch
 
 
-def adamw(model, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+def param_groups(model, weight_decay: float) -> list[dict]:
     """Only trainable parameters; norms and biases (1-D tensors) get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def adamw(model, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95))
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.1):

@@ -58,12 +58,6 @@ def ds_config(layout: Layout, bf16: bool, max_grad_norm: float, micro_batch: int
     }
 
 
-def _param_groups(model, weight_decay: float) -> list[dict]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 def _storages(tensors) -> dict[tuple, tuple[int, str]]:
     """Distinct storages among `tensors` (views of one buffer count once): key -> (bytes, device type)."""
     seen: dict[tuple, tuple[int, str]] = {}
@@ -131,7 +125,7 @@ class TrainEngine:
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
         bucket = max(2 ** 20, -(-n // 32) * 32)
         offload_adam = self.layout.offload_optimizer and cpu_adam
-        groups_ = _param_groups(model, weight_decay)
+        groups_ = optim.param_groups(model, weight_decay)
         self.trained = [p for g in groups_ for p in g["params"]]  # before ZeRO swaps the groups for flat partitions
         if offload_adam:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
