@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridcore.batch import right_pad
 from hybridcore.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -208,12 +209,8 @@ class VLLMRollout:
                                 stop_token_ids=[eos_id] if eos_id is not None else None, detokenize=False,
                                 ignore_eos=eos_id is None)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        rows = [list(o.outputs[0].token_ids) for o in outs]
-        n = max(len(r) for r in rows)
-        out = torch.full((B, n), pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        self.last_stats = {"steps": n, "weight_sync_bytes": self.last_sync.get("total_bytes", 0),
+        out, _ = right_pad([list(o.outputs[0].token_ids) for o in outs], pad_id)  # every row has >= 1 token
+        self.last_stats = {"steps": out.shape[1], "weight_sync_bytes": self.last_sync.get("total_bytes", 0),
                            "weight_sync_s": self.last_sync.get("seconds", 0.0), "sleeps": bool(self.sleep)}
         return out.to(ids.device)
 
