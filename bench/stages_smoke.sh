@@ -3,8 +3,8 @@
 # models and batches on cuda and finish. The GPU machine lacks datasets, dill, multiprocess and pydantic: carry
 # their wheels in .whl/gpu (and pyarrow in .whl/pyarrow if its own is too old). Output under $OUT.
 set -e; export PYTHONPATH=$PWD
-pip install -q --no-deps .whl/gpu/*.whl 2>&1 | tail -1
-python -c "import datasets" 2>/dev/null || pip install -q --no-deps .whl/pyarrow/*.whl
+python -m pip install -q --no-deps --root-user-action=ignore .whl/gpu/*.whl 2>&1 | grep -v WARNING || true
+python -c "import datasets" 2>/dev/null || python -m pip install -q --no-deps --root-user-action=ignore .whl/pyarrow/*.whl
 python -c "import torch, transformers, datasets, pyarrow; print(torch.__version__, transformers.__version__, datasets.__version__, pyarrow.__version__, torch.cuda.get_device_name())"
 S="--set pipeline.artifacts_dir=$OUT/art --set engine.device=cuda --set ppo.iterations=4"
 for st in sft reward ppo evaluate; do
