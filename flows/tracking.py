@@ -217,8 +217,9 @@ class Tracker:
         self.client.set_terminated(self.run_id, status)
 
     def _register(self, summary: dict) -> None:
-        """One registered model per pipeline and role, a new version per run whose source is the artifact's
-        model/ folder (the weights stay where the artifact store keeps them)."""
+        """One registered model per pipeline and role, one version per artifact whose source is the artifact's
+        model/ folder (the weights stay where the artifact store keeps them). A run whose stage was a cache hit
+        points at the version its artifact already has instead of adding a duplicate."""
         from mlflow.exceptions import MlflowException
         for role, stages in REGISTERED.items():
             stage = next((s for s in stages if s in summary), None)
@@ -231,11 +232,14 @@ class Tracker:
             except MlflowException as e:
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-            tags = {"artifact": r["artifact"], "cache_key": r["key"], "stage": stage,
-                    "cache_hit": str(r["cached"]).lower(), "pipeline_run": self.run_id}
-            version = self.client.create_model_version(
-                name, source=str(Path(r["artifact"]) / "model"), run_id=self.stage_runs.get(stage), tags=tags,
-                description=f"{stage} artifact {r['key']}", await_creation_for=0)
+            source = str(Path(r["artifact"]) / "model")
+            version = next((v for v in self.client.search_model_versions(f"name='{name}'")
+                            if v.source == source and v.tags.get("cache_key") == r["key"]), None)
+            if version is None:
+                tags = {"artifact": r["artifact"], "cache_key": r["key"], "stage": stage, "pipeline_run": self.run_id}
+                version = self.client.create_model_version(
+                    name, source=source, run_id=self.stage_runs.get(stage), tags=tags,
+                    description=f"{stage} artifact {r['key']}", await_creation_for=0)
             self.client.set_tag(self.run_id, f"registered_{role}", f"{name}/{version.version}")
 
     @property

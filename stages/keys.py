@@ -1,7 +1,7 @@
 """Cache keys: one key per stage, derived from everything that can change its output.
 
-key = sha256(the stage's own params section + the sections it reads (model, data, seed) + the `engine`
-section + its inputs' keys + user files' fingerprints + code version). Code version hashes
+key = sha256(the stage's own params section + the sections it reads (model, the data it loads, seed) + the
+`engine` section + its inputs' keys + its files' fingerprints + code version). Code version hashes
 stages/<stage>.py, stages/data.py (every stage reads data) and hybridcore/. The flow's Prefect cache
 policy uses these same keys: the artifact store is the only cache.
 """
@@ -48,20 +48,45 @@ def _file_fingerprint(path: str | None) -> str | None:
 NOT_IN_KEY = {"checkpoint_every", "keep_checkpoints", "on_nonfinite"}
 
 
+# The data each stage reads (data.load kinds); SFT also reads every kind when it trains the tokenizer.
+DATA_KINDS = {"sft": ("sft",), "reward": ("preferences",), "ppo": ("prompts",), "evaluate": ("prompts",)}
+ALL_KINDS = ("sft", "preferences", "prompts")
+
+
+def data_kinds(p: Params, stage: str) -> tuple[str, ...]:
+    """The data kinds `stage`'s output depends on: its own, or all of them for an SFT run that trains its
+    tokenizer on every text of the run (a built-in preset without model.tokenizer)."""
+    if stage == "sft" and p.model.path is None and p.model.tokenizer is None:
+        return ALL_KINDS
+    return DATA_KINDS[stage]
+
+
+def data_params(p: Params, stage: str) -> dict:
+    """The data settings behind `stage`'s kinds: a user's file (its content is fingerprinted separately) and
+    the held-out share, or the synthetic task's settings; nothing about the kinds it never reads."""
+    out = {}
+    for kind in data_kinds(p, stage):
+        path = getattr(p.data, kind).path
+        out[kind] = ({"file": True, "heldout_fraction": p.data.heldout_fraction} if path is not None
+                     else {"synthetic": p.data.synthetic.model_dump(mode="json")})
+    return out
+
+
 def stage_params(p: Params, stage: str) -> dict:
-    """What a stage's output depends on among the params (artifacts_dir, tracking, the stage list and
-    checkpoint cadence don't)."""
+    """What a stage's output depends on among the params (artifacts_dir, tracking, the stage list, checkpoint
+    cadence and the data of other stages don't)."""
     own = {k: v for k, v in p.model_dump(mode="json")[stage].items() if k not in NOT_IN_KEY}
     return {"stage": own, "model": p.model.model_dump(mode="json"),
-            "data": p.data.model_dump(mode="json"), "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json")}
+            "data": data_params(p, stage), "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json")}
 
 
 def stage_keys(p: Params) -> dict[str, str]:
     """Keys of all four stages, each chained on its inputs' keys."""
-    files = {"model": _file_fingerprint(p.model.path), "tokenizer": _file_fingerprint(p.model.tokenizer),
-             **{k: _file_fingerprint(getattr(p.data, k).path) for k in ("sft", "preferences", "prompts")}}
+    model_files = {"model": _file_fingerprint(p.model.path), "tokenizer": _file_fingerprint(p.model.tokenizer)}
+    data_files = {k: _file_fingerprint(getattr(p.data, k).path) for k in ALL_KINDS}
     keys: dict[str, str] = {}
     for stage in STAGES:
+        files = {**model_files, **{k: data_files[k] for k in data_kinds(p, stage)}}
         doc = {"params": stage_params(p, stage), "inputs": {s: keys[s] for s in INPUTS[stage]},
                "files": files, "code": code_version(stage)}
         keys[stage] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]

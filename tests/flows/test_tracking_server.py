@@ -128,20 +128,24 @@ def test_artifacts_plots_table_and_manifest(found, mlflow_ui, two_runs):
 
 
 def test_models_registered_as_pointers_to_artifacts(mlflow_ui, found, two_runs):
-    """A new version of tiny-policy and tiny-reward per run, whose source is the artifact's model/ folder;
-    no weights are copied into mlruns/."""
+    """One version of tiny-policy / tiny-reward per artifact, whose source is the artifact's model/ folder: the
+    second run's PPO ran and adds a version; its reward stage was a cache hit and points at the first run's
+    version. No weights are copied into mlruns/."""
     for role, stage in (("policy", "ppo"), ("reward", "reward")):
         name_filter = quote(f"name='tiny-{role}'")
         versions = api(mlflow_ui, f"/api/2.0/mlflow/model-versions/search?filter={name_filter}")["model_versions"]
         for run in ("a", "b"):
             summary = getattr(two_runs, run)
             r = summary["stages"][stage]
-            mine = [v for v in versions if _kv(v.get("tags", [])).get("pipeline_run") == summary["mlflow_run_id"]]
+            mine = [v for v in versions if v["source"] == f"{r['artifact']}/model"]
             assert len(mine) == 1, (role, run)
             tags = _kv(mine[0]["tags"])
-            assert mine[0]["source"] == f"{r['artifact']}/model"
             assert (tags["artifact"], tags["cache_key"]) == (r["artifact"], r["key"])
-            assert mine[0]["run_id"] == found[run]["stages"][stage]["info"]["run_id"]
+            assert _tags(found[run]["parent"])[f"registered_{role}"] == f"tiny-{role}/{mine[0]['version']}"
+            made_by = "a" if r["cached"] else run
+            assert tags["pipeline_run"] == getattr(two_runs, made_by)["mlflow_run_id"], (role, run)
+            assert mine[0]["run_id"] == found[made_by]["stages"][stage]["info"]["run_id"]
+    assert two_runs.b["stages"]["reward"]["cached"] and not two_runs.b["stages"]["ppo"]["cached"]
     assert not list((two_runs.workdir / "mlruns").rglob("*.safetensors"))
 
 
