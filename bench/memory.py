@@ -1,0 +1,477 @@
+"""PPO memory on one card: an 8B / 14B-shaped model, 4-bit, inside 22 GiB, measured phase by phase.
+
+    python bench/memory.py --shape tiny --out DIR          # CPU, seconds: the same code path on a tiny shape
+    python bench/memory.py --shape llama3-8b --out DIR     # CUDA: the write-up's recipe, plus the ablation table
+    python bench/memory.py --shape qwen2.5-14b --out DIR   # CUDA: the same recipe on a 14B shape
+
+The models are random weights built straight into the quantised layout (never a bf16 copy of the whole model:
+the process is capped at 22 GiB, what a 24 GB card leaves): decoder Linears become bitsandbytes NF4 (double
+quantisation, bf16 compute) one at a time from random bf16 weights; embeddings, norms and heads stay bf16. From
+there everything is the pipeline's own code: share_base (actor + critic LoRA adapters and a value head on one
+frozen 4-bit base, reference = adapters off), a separate 4-bit reward model, activation checkpointing, the
+chunked LM head, the native rollout through HybridActor, and stages/ppo.py's make_experience and update with
+the memory ledger's phases. Workload: 1024 prompt + 1024 response tokens, rollout batch 8, micro-batch 2,
+gradient accumulation 4 (minibatch 8), one PPO epoch, sdpa. JSON and markdown go to --out after every row.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import stages.ppo as ppo  # noqa: E402
+from hybridcore import forward  # noqa: E402
+from hybridcore.actor import HybridActor  # noqa: E402
+from hybridcore.adapters import LoraSpec  # noqa: E402
+from hybridcore.batch import pack  # noqa: E402
+from hybridcore.ledger import MemoryLedger, quant_state_tensors, storage_bytes  # noqa: E402
+from hybridcore.quant import keep_one_4bit_layout  # noqa: E402
+from hybridcore.shared_base import SharedBase, value_head  # noqa: E402
+from hybridcore.zero import TrainEngine  # noqa: E402
+
+GIB, MIB = 2 ** 30, 2 ** 20
+CAP_GIB = 22.0
+TARGET_GIB = {"llama3-8b": 18.0, "qwen2.5-14b": CAP_GIB}
+SHAPES = {  # (family, config); the published models' shapes
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    "qwen2.5-14b": ("qwen2", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                                  rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "tiny": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)),
+}
+LORA = LoraSpec(16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+PAD = 0
+NO_EOS = -1  # responses run to full length: no token id equals it
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def model_classes(family: str):
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+        return LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    return Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+
+def build_4bit(shape: str, scorer: bool, device: torch.device, seed: int, park: torch.device | None = None):
+    """A random-weight model of `shape` with NF4 decoder Linears, built layer by layer on `device` (no bf16 copy of
+    the whole model ever exists). park: move each finished layer there (a model kept on the CPU)."""
+    import bitsandbytes as bnb
+
+    family, dims = SHAPES[shape]
+    config_cls, lm_cls, scorer_cls = model_classes(family)
+    config = config_cls(**dims, tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
+                        num_labels=1, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = (scorer_cls if scorer else lm_cls)(config)
+    torch.manual_seed(seed)
+    bf16, std = torch.bfloat16, 0.02
+    where = park or device
+    for layer in model.model.layers:
+        for name, lin in list(layer.named_modules()):
+            if not isinstance(lin, torch.nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=bf16,
+                                  compress_statistics=True, quant_type="nf4", device="meta")
+            w = torch.randn(lin.out_features, lin.in_features, dtype=bf16, device=device) * std
+            q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                         module=q)._quantize(device)
+            del w
+            if lin.bias is not None:
+                q.bias = torch.nn.Parameter(torch.zeros(lin.out_features, dtype=bf16, device=device), False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, q)
+        _materialize(layer, device, std)
+        if park is not None:
+            layer.to(park)
+    _materialize(model, where, std)
+    rotary = model.model.rotary_emb
+    with torch.device(where):
+        model.model.rotary_emb = type(rotary)(config=config)
+    model.is_loaded_in_4bit = True  # what from_pretrained sets; peft picks its 4-bit LoRA layer by it
+    keep_one_4bit_layout(model)
+    return model.requires_grad_(False).eval()
+
+
+def _materialize(module, device, std: float) -> None:
+    """Real tensors for the parameters still on `meta`: norms are ones, everything else N(0, std), bf16."""
+    for m in module.modules():
+        for k, p in list(m._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+            t.fill_(1.0) if "norm" in type(m).__name__.lower() else t.normal_(0.0, std)
+            m._parameters[k] = torch.nn.Parameter(t, requires_grad=False)
+
+
+def weight_bytes(model, device_type: str) -> int:
+    return storage_bytes([t for p in model.parameters() for t in (p, *quant_state_tensors(p))], device_type)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+class Bench:
+    """The PPO roles, engines and ledger of one shape, and one PPO step under a row's switches."""
+
+    def __init__(self, a, device):
+        self.a, self.device = a, device
+        tiny = a.shape == "tiny"
+        self.prompt_len = self.new = 16 if tiny else 1024
+        t0 = time.perf_counter()
+        base = build_4bit(a.shape, False, device, seed=1)
+        self.rm_home = torch.device("cpu") if a.rm == "cpu" else device
+        rm = build_4bit(a.shape, True, device, seed=2, park=torch.device("cpu") if a.rm == "cpu" else None)
+        head = value_head(base.config.hidden_size, torch.bfloat16, rm.score, 0.02, 0).to(device)
+        sb = SharedBase(base, LORA, LORA, head)
+        self.sb, self.rm = sb, rm
+        self.m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
+                            "actor", sb, {"reward": self.rm_home} if self.rm_home != device else {})
+        self.engines = [TrainEngine(params, lr=lr, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0,
+                                    max_grad_norm=1.0, micro_batch=2)
+                        for params, lr in ((sb.actor_params, 1e-5), (sb.critic_params, 1e-5))]
+        self.m.frozen_check([e.trained for e in self.engines])
+        sb.model.train()  # as stages/ppo.py run(): activation checkpointing applies in training mode only
+        sb.critic.train()
+        self.ledger = MemoryLedger(device, models=(sb.model, sb.critic, rm), engines=self.engines)
+        self.build_s = time.perf_counter() - t0
+        self.tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=None)
+        self.actors: dict[bool, HybridActor] = {}
+        g = torch.Generator().manual_seed(0)
+        vocab = base.config.vocab_size
+        self.prompts = torch.randint(1, vocab, (8, self.prompt_len), generator=g).tolist()
+        self.responses = None
+        self.rollout_fallback = None
+        self.it = 0
+
+    def cfg(self, micro: int):
+        from stages.params import PPO
+        return PPO(rollout_batch_size=8, minibatch_size=8, micro_batch_size=micro, ppo_epochs=1, iterations=1,
+                   max_new_tokens=self.new)
+
+    def actor(self, offload: bool) -> HybridActor:
+        if offload not in self.actors:
+            opts = {} if self.device.type != "cuda" else {"compile": None if self.a.rollout_compile == "auto" else False}
+            if self.rollout_fallback:
+                opts = {"cuda_graph": False, "compile": False}
+            self.actors[offload] = HybridActor(self.m.policy, self.tok, activation_checkpointing=True,
+                                               optimizer=self.engines[0].optimizer if offload else None,
+                                               offload_optimizer=offload, backend="native", backend_options=opts)
+        return self.actors[offload]
+
+    def rollout(self, offload: bool) -> list[list[int]]:
+        actor = self.actor(offload)
+        if offload:
+            actor.reserve_host_states()  # pinned once, outside the transition, as stages/ppo.py does
+        with self.ledger.phase("rollout") as mem, self.m.use("actor"), actor.rollout():
+            out = actor.generate(self.prompts, self.new, temperature=1.0)
+            mem.hold("kv_cache", actor.backend.kv_cache_bytes)
+        assert all(len(r) == self.new for r in out), "every response runs to max_new_tokens (no EOS)"
+        return out
+
+    def step(self, micro: int = 2, rollout: bool = True, offload: bool = False, frozen: bool = True) -> dict:
+        """One PPO step; returns the ledger's record of each phase and the update's statistics."""
+        cfg = self.cfg(micro)
+        self.it += 1
+        t0 = time.perf_counter()
+        responses = self.rollout(offload) if rollout else self.responses
+        if rollout:
+            self.responses = responses
+        make_exp = ppo.make_experience if frozen else ppo.make_experience.__wrapped__
+        with self.ledger.phase("scoring") as mem, torch.set_grad_enabled(not frozen):
+            # --rm cpu: make_experience brings the RM in for its scoring (engine.roles.reward.offload's path)
+            self.m.moved_in = lambda: mem.hold("weights", self.ledger.held_now()["weights"])
+            batch = pack(self.prompts, responses, PAD, self.device)
+            exp = make_exp(cfg, batch, self.m, NO_EOS, micro)
+        exp = {k: v.detach() for k, v in exp.items()}  # unfrozen: the graphs lived through scoring, not beyond
+        stats = ppo.update(cfg, batch, exp, self.m, self.engines, ppo.update_backoffs(micro), 0, self.it,
+                           phase=self.ledger.phase)
+        sync(self.device)
+        total = time.perf_counter() - t0
+        recs = self.ledger.last if self.ledger.metrics() else {}
+        return {"phases": {k: record(r) for k, r in recs.items()}, "step_s": total, "stats": stats}
+
+    @contextmanager
+    def unfrozen(self):
+        """Freezing off: every frozen floating-point weight tracked by autograd, frozen roles' forwards with autograd."""
+        trained = {id(p) for e in self.engines for p in e.trained}
+        params = [p for mod in (self.sb.model, self.rm) for p in mod.parameters()
+                  if id(p) not in trained and p.is_floating_point()]
+        saved = forward.batched
+        ppo.batched = forward.batched.__wrapped__  # the grad-free wrapper off: what no freezing looks like
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            ppo.batched = saved
+            for p in params:
+                p.requires_grad_(False)
+                p.grad = None
+
+    @contextmanager
+    def attention(self, impl: str):
+        models = (self.sb.model, self.rm)
+        saved = [m.config._attn_implementation for m in models]
+        for m in models:
+            m.config._attn_implementation = impl
+        try:
+            yield
+        finally:
+            for m, s in zip(models, saved):
+                m.config._attn_implementation = s
+
+
+def record(r) -> dict:
+    return {"peak_gib": r.peak / GIB, "seconds": r.seconds, **{f"{k}_gib": v / GIB for k, v in r.by_kind().items()}}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def nvidia_smi_used_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                              os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        return float(out[0]) if out else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def cuda_setup(res: dict) -> None:
+    """Cap the allocator at 22 GiB and count the CUDA context: nvidia-smi's used memory minus what torch holds."""
+    before = nvidia_smi_used_mib()
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CAP_GIB * GIB / total)
+    after = nvidia_smi_used_mib()
+    res["gpu"] = {"name": torch.cuda.get_device_name(0), "total_mib": total / MIB, "cap_gib": CAP_GIB,
+                  "smi_used_before_mib": before, "smi_used_after_init_mib": after,
+                  "context_mib": None if after is None or before is None
+                  else after - before - torch.cuda.memory_reserved() / MIB}
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def rows_for(shape: str) -> list[tuple[str, dict, str]]:
+    """(name, step switches, what it changes) after the default row; the ablation only for llama3-8b and tiny."""
+    if shape == "qwen2.5-14b":
+        return []
+    return [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
+            ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
+            ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
+            ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
+            ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout")]
+
+
+def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
+    row = {"row": name, "switches": {k: v for k, v in sw.items()}}
+    t0 = time.perf_counter()
+    try:
+        if not sw.get("frozen", True):
+            ctx = b.unfrozen()
+        elif "attention" in sw:
+            ctx = b.attention(sw["attention"])
+        else:
+            ctx = _null()
+        with ctx:
+            out = b.step(micro=sw.get("micro", 2), rollout=sw.get("rollout", True), offload=sw.get("offload", False),
+                         frozen=sw.get("frozen", True))
+        row.update(out)
+        if not sw.get("rollout", True) and "rollout" in res.get("default", {}).get("phases", {}):
+            row["phases"]["rollout"] = {**res["default"]["phases"]["rollout"], "reused": True}
+        row["peak_gib"] = max(p["peak_gib"] for p in row["phases"].values())
+        row["phase_s"] = sum(p["seconds"] for p in row["phases"].values())
+        st = out["stats"]
+        row["backed_off"] = {k: st[k] for k in ("actor_micro_batch", "critic_micro_batch")
+                             if st.get(k) is not None and st[k] < sw.get("micro", 2)}
+    except torch.OutOfMemoryError as e:
+        row["oom"] = (str(e).splitlines() or ["OOM"])[0][:200]
+        recs = b.ledger.records
+        row["oom_phase"] = next(reversed(recs)) if recs else None
+        row["phases"] = {k: record(r) for k, r in recs.items()}
+        b.ledger.metrics()
+    except Exception as e:  # noqa: BLE001 -- a row's failure is recorded; the others still run
+        row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        row["traceback"] = traceback.format_exc()[-3000:]
+        recs = b.ledger.records
+        row["failed_phase"] = next(reversed(recs)) if recs else None
+        row["phases"] = {k: record(r) for k, r in recs.items()}
+        b.ledger.metrics()
+    for e in b.engines:
+        e.zero_grad()
+    free(b.device)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+@contextmanager
+def _null():
+    yield
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def gib(x) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# PPO memory, {res['shape']} ({res.get('gpu', {}).get('name', 'CPU')})", ""]
+    d = res.get("default")
+    if d and "phases" in d:
+        tok = res["workload"]["tokens_per_step"]
+        lines += [f"Default row: peak **{gib(d.get('peak_gib'))} GiB** (target {res.get('target_gib')} GiB: "
+                  f"{'met' if d.get('target_met') else 'NOT met'}), {d['step_s']:.1f} s/step, "
+                  f"{tok / d['step_s']:.0f} tokens/s ({tok} tokens per step).", "",
+                  "| phase | peak GiB | weights | gradients | optimizer | KV cache | activations (remainder) | s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, p in d["phases"].items():
+            lines.append(f"| {name} | {gib(p['peak_gib'])} | {gib(p['weights_gib'])} | {gib(p['gradients_gib'])} | "
+                         f"{gib(p['optimizer_gib'])} | {gib(p['kv_cache_gib'])} | {gib(p['activations_gib'])} | "
+                         f"{p['seconds']:.2f} |")
+        lines.append("")
+    if res.get("ablation"):
+        lines += ["| row (one switch off the default) | peak GiB | s/step | rollout GiB | scoring GiB | "
+                  "critic_update GiB | actor_update GiB | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in res["ablation"]:
+            ph = r.get("phases", {})
+            note = ("OOM in " + str(r.get("oom_phase")) if "oom" in r else r.get("error", ""))
+            if r.get("backed_off"):
+                note += f" backed off to {r['backed_off']}"
+            if ph.get("rollout", {}).get("reused"):
+                note += " rollout reused from default"
+            peak = "OOM" if "oom" in r else gib(r.get("peak_gib"))
+            s = "" if "oom" in r or "phase_s" not in r else f"{r['phase_s']:.1f}"
+            cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in
+                     ("rollout", "scoring", "critic_update", "actor_update")]
+            lines.append(f"| {r['row']} | {peak} | {s} | " + " | ".join(cells) + f" | {note.strip()} |")
+    return "\n".join(lines) + "\n"
+
+
+def save(res: dict, out: Path) -> None:
+    (out / f"memory-{res['shape']}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"memory-{res['shape']}.md").write_text(markdown(res))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--rm", choices=("gpu", "cpu"), default="gpu",
+                    help="where the reward model lives between scoring phases (gpu: resident, the pipeline's way)")
+    ap.add_argument("--rollout-compile", choices=("off", "auto"), default="off",
+                    help="torch.compile the native decode step (auto: the backend's default); off keeps the CUDA graph")
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    cuda = a.shape != "tiny"
+    device = torch.device("cuda" if cuda else "cpu")
+    import bitsandbytes
+    res = {"shape": a.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": a.commit,
+           "command": " ".join(sys.argv), "versions": {"torch": torch.__version__, "transformers":
+                                                      transformers.__version__, "bitsandbytes": bitsandbytes.__version__,
+                                                      "python": platform.python_version()},
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "target_gib": TARGET_GIB.get(a.shape),
+           "lora": {"rank": LORA.rank, "alpha": LORA.alpha, "targets": list(LORA.targets)}, "rm": a.rm,
+           "rollout_compile": a.rollout_compile}
+    if cuda:
+        cuda_setup(res)
+    b = Bench(a, device)
+    res["workload"] = {"prompt": b.prompt_len, "response": b.new, "rollout_batch": 8, "micro_batch": 2,
+                       "grad_accum": 4, "ppo_epochs": 1, "tokens_per_step": 8 * (b.prompt_len + b.new)}
+    dt = device.type
+    res["build"] = {"seconds": b.build_s, "policy_weights_gib": weight_bytes(b.sb.model, dt) / GIB,
+                    "reward_weights_gib": weight_bytes(b.rm, dt) / GIB,
+                    "reward_weights_cpu_gib": weight_bytes(b.rm, "cpu") / GIB,
+                    "trained_params": sum(p.numel() for e in b.engines for p in e.trained)}
+    if cuda:
+        res["build"]["allocated_gib"] = torch.cuda.memory_allocated() / GIB
+    print(json.dumps(res, default=str), flush=True)
+    save(res, a.out)
+    # warm-up: the first step allocates the KV cache, captures the decode graph, creates the optimizer states
+    warm = run_row(b, "warm-up", {}, res)
+    if "error" in warm and cuda and warm.get("failed_phase") == "rollout":  # e.g. a CUDA graph capture failed
+        b.rollout_fallback = warm["error"]
+        b.actors.clear()
+        warm = run_row(b, "warm-up (rollout without CUDA graph)", {}, res)
+    res["warmup"] = warm
+    res["rollout_fallback"] = b.rollout_fallback
+    save(res, a.out)
+    print(f"warm-up: {warm.get('peak_gib')} GiB, {warm['wall_s']:.1f} s {warm.get('oom', '')}{warm.get('error', '')}",
+          flush=True)
+    default = run_row(b, "default", {}, res)
+    out_of_memory = "oom" in default or "out of memory" in default.get("error", "")
+    if out_of_memory and a.rm == "gpu" and cuda:
+        res["default_rm_resident"] = default  # the pipeline's layout does not fit: RM on the CPU between scorings
+        b.rm.to("cpu")
+        b.rm_home = torch.device("cpu")
+        b.m.homes["reward"] = b.rm_home  # what engine.roles.reward.offload sets
+        free(device)
+        res["rm"] = "cpu (after the resident layout ran out of memory)"
+        default = run_row(b, "default, RM on CPU between scoring phases", {}, res)
+    if "peak_gib" in default:
+        default["target_met"] = default["peak_gib"] <= TARGET_GIB.get(a.shape, CAP_GIB)
+    res["default"] = default
+    res["rollout_stats"] = {k: v for k, v in b.actor(False).backend.last_stats.items()}
+    save(res, a.out)
+    print(markdown(res), flush=True)
+    res["ablation"] = []
+    for name, sw, what in rows_for(a.shape):
+        left = a.budget_s - (time.perf_counter() - t_start)
+        est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
+        if left < est * 1.3:
+            res["ablation"].append({"row": name, "what": what, "skipped": f"budget ({left:.0f} s left)"})
+            continue
+        row = run_row(b, name, sw, res)
+        row["what"] = what
+        res["ablation"].append(row)
+        save(res, a.out)
+        print(f"{name}: {row.get('peak_gib')} GiB {row.get('oom', '')}{row.get('error', '')} {row['wall_s']:.1f} s",
+              flush=True)
+    if cuda:
+        res["gpu"]["max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        res["gpu"]["smi_used_end_mib"] = nvidia_smi_used_mib()
+    res["wall_s"] = time.perf_counter() - t_start
+    b.ledger.close()
+    save(res, a.out)
+    print(markdown(res), flush=True)
+    failed = [r for r in [default] + res["ablation"] if "error" in r]
+    return 1 if failed or "peak_gib" not in default else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
