@@ -14,17 +14,21 @@ import time
 import torch
 
 from hybridcore.batch import left_pad
+from hybridcore.errors import NotYetSupported
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.rollout import make_backend
+from hybridcore.tensor_parallel import tp_state
 
 
 class HybridActor:
     def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
                  optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False,
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, groups=None, rollout_tp: int | None = None):
         """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
         baseline) or "vllm" (an in-process vLLM engine synced on entry; the extra); backend_options are its
-        constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout."""
+        constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout.
+        A tensor-parallel model (tensor_parallel.split_model) needs `groups` (parallel.init's) and is regrouped
+        into `rollout_tp` (default: its training tp) for each rollout; every rank constructs the actor."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.model, self.tokenizer = model, tokenizer
@@ -32,6 +36,15 @@ class HybridActor:
         set_activation_checkpointing(model, activation_checkpointing)
         self.backend = make_backend(backend, model, **(backend_options or {}))
         self.optimizer, self.offload_optimizer = optimizer, offload_optimizer
+        self.resharder = None
+        if tp_state(model).size > 1:
+            if groups is None:
+                raise ValueError("a tensor-parallel model needs the process groups (groups=parallel.init(...))")
+            if backend == "vllm":
+                raise NotYetSupported("engine.rollout.backend=vllm with a tensor-parallel actor",
+                                      "the 3D sharding issue (#8): use the native backend")
+            from hybridcore.reshard import Resharder
+            self.resharder = Resharder(model, groups, rollout_tp or tp_state(model).size)
         self.in_rollout = False
         self.last_transition_s: dict[str, float] = {}
         self.last_transition_bytes: dict[str, int] = {}
@@ -74,6 +87,19 @@ class HybridActor:
         """Responses (token ids, ending with eos when the model stopped) for left-padded prompts."""
         if not self.in_rollout:
             raise RuntimeError("HybridActor.generate must run inside `with actor.rollout():`")
+        if self.resharder is not None:  # each rollout group generates its share; every rank gets all responses
+            r = self.resharder
+            mine = r.share(prompts)
+            seed = r.same_seed() if not (greedy or temperature == 0) else None
+            with torch.random.fork_rng(devices=[] if seed is None or not torch.cuda.is_available()
+                                       else [torch.cuda.current_device()], enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                out = self._generate(mine, max_new_tokens, greedy, temperature, top_k, top_p) if mine else []
+            return r.gather(out)
+        return self._generate(prompts, max_new_tokens, greedy, temperature, top_k, top_p)
+
+    def _generate(self, prompts, max_new_tokens, greedy, temperature, top_k, top_p) -> list[list[int]]:
         tok = self.tokenizer
         ids, mask = left_pad(prompts, tok.pad_token_id)
         device = next(self.model.parameters()).device
@@ -100,9 +126,14 @@ class HybridActor:
         one device and nothing moves. ZeRO-3 gathers its partitioned parameters here (and `_release_weights`
         re-partitions them); tensor parallelism regroups training shards into the rollout's tp size here.
         Both must leave `self.model`'s parameters as the tensors the backend reads, so no copy is kept."""
+        if self.resharder is not None:
+            self.resharder.enter()
+            self.last_transition_bytes["reshard_peak"] = self.resharder.peak_bytes
 
     def _release_weights(self) -> None:
         """The inverse of `_gather_weights`, run after the backend has freed its cache."""
+        if self.resharder is not None:
+            self.resharder.exit()
 
     # -------------------------------------------------------------------------------- optimizer offload
 

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from hybridcore.batch import position_ids
+from hybridcore.tensor_parallel import local_kv_heads, tp_state
 
 ATTENTION = "hybrid_rollout"
 
@@ -64,9 +65,11 @@ class StaticKVCache:
         self.keys, self.values, self.index = keys, values, index
 
     @classmethod
-    def allocate(cls, config, batch: int, capacity: int, dtype, device) -> "StaticKVCache":
+    def allocate(cls, config, batch: int, capacity: int, dtype, device, kv_heads: int | None = None
+                 ) -> "StaticKVCache":
+        """kv_heads: this rank's (a tensor-parallel model holds num_key_value_heads / tp); default the config's."""
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         shape = (batch, kv_heads, capacity, head_dim)
         n = config.num_hidden_layers
@@ -171,7 +174,8 @@ class _Decoder:
         plain step, with a warning and `compile_error` set, if compiling fails; False never compiles."""
         p = next(model.parameters())
         self.model, self.batch, self.capacity = model, batch, capacity
-        self.cache = StaticKVCache.allocate(model.config, batch, capacity, p.dtype, p.device)
+        self.cache = StaticKVCache.allocate(model.config, batch, capacity, p.dtype, p.device,
+                                            kv_heads=local_kv_heads(model))
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
         self.column = torch.zeros(1, dtype=torch.long, device=p.device)  # cache column of the token fed
@@ -282,7 +286,9 @@ class NativeRollout:
         d = self._decoder
         if d is None or d.batch != batch or d.capacity < length:
             self._decoder = d = None  # free the old cache before allocating the new one
-            graph = device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+            # a tensor-parallel step all-reduces every layer: not captured in a graph by default (untested there)
+            graph = device.type == "cuda" and tp_state(self.model).size == 1 if self.cuda_graph is None \
+                else self.cuda_graph
             compile = self._resolve_compile(graph)
             capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
             self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile)
