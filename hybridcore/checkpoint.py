@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from hybridcore import parallel
 from hybridcore.artifacts import file_hashes, sha256_file
 from hybridcore.errors import TrainingFault
 from hybridcore.interrupts import fault_active, fault_point
@@ -61,13 +62,18 @@ class Checkpointer:
         state: JSON-able loop state; engines: name -> TrainEngine under DeepSpeed (save(folder)/load(folder)).
         Everything goes to a temp folder that is renamed only when complete, so a
         failed write (a full disk) leaves the previous checkpoints as they were; it raises CheckpointWriteError."""
+        # several ranks: DeepSpeed's save is collective (each rank writes its shard), rank 0 does the rest
+        main = parallel.is_main()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step}"
         tmp = self.root / f".step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir()
-            self._write(tmp, step, models, stateful, state, engines or {})
+            if main:
+                tmp.mkdir()
+            parallel.barrier()
+            self._write(tmp, step, models, stateful, state, engines or {}, main)
         except Exception as e:  # ENOSPC shows up as OSError, or as RuntimeError from torch.save's writer
             shutil.rmtree(tmp, ignore_errors=True)
             kept, why = self.latest(), getattr(e, "strerror", None) or e
@@ -75,18 +81,25 @@ class Checkpointer:
                 f"{self.stage}: could not write checkpoint step-{step} in {self.root} ({why}); "
                 + (f"{kept.name} is intact and a rerun resumes from it" if kept else "no earlier checkpoint exists")
                 + " -- free disk space and run again") from e
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self._prune()
+        if main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        parallel.barrier()
         return final
 
-    def _write(self, tmp: Path, step: int, models: dict, stateful: dict, state: dict, engines: dict) -> None:
+    def _write(self, tmp: Path, step: int, models: dict, stateful: dict, state: dict, engines: dict,
+               main: bool = True) -> None:
         for name, model in models.items():
-            save_model(model, str(tmp / f"{name}.safetensors"))
+            if main:
+                save_model(model, str(tmp / f"{name}.safetensors"))
         for name, engine in engines.items():
             engine.save(tmp / name)
         fault_point(self.stage, "checkpoint", step)
+        parallel.barrier()  # every rank's shard is on disk before rank 0 hashes them
+        if not main:
+            return
         if fault_active(self.stage, "enospc", step):  # a disk that fills up halfway through the write
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state.pt"))
         torch.save({"stateful": {k: v.state_dict() for k, v in stateful.items()},

@@ -4,7 +4,10 @@ A stop request only sets a flag; training loops check it after each step, write 
 raise `Interrupted`, so a stopped run resumes exactly. `HYBRID_RLHF_FAULT="<stage>:<step>"` makes the
 process SIGKILL itself just before that step (`<stage>:checkpoint:<step>` halfway through writing that
 step's checkpoint, `<stage>:term:<step>` sends SIGTERM instead): the kill tests use it to stop at chosen points without timing races.
-`<stage>:oom:<step>` raises torch.OutOfMemoryError once inside that step (hybridcore/oom.py backs off from it).
+`<stage>:oom:<step>` raises torch.OutOfMemoryError once inside that step (hybridcore/oom.py backs off from it;
+in PPO `ppo:oom:<step>` hits the actor's update, `ppo:critic:oom:<step>` the critic's).
+`<stage>:raise:<step>` raises InjectedFault there. `HYBRID_RLHF_FAULT_RANK=R` restricts every fault to the process
+whose RANK is R (one failing rank of a torchrun job).
 """
 from __future__ import annotations
 
@@ -14,11 +17,16 @@ import signal
 import threading
 
 FAULT_ENV = "HYBRID_RLHF_FAULT"
+FAULT_RANK_ENV = "HYBRID_RLHF_FAULT_RANK"
 _stop = threading.Event()
 
 
 class Interrupted(Exception):
     """A stage stopped on request after writing a checkpoint; running again resumes it."""
+
+
+class InjectedFault(RuntimeError):
+    """An error raised on purpose by a test (HYBRID_RLHF_FAULT="<stage>:raise:<step>")."""
 
 
 def request_stop(*_) -> None:
@@ -69,10 +77,15 @@ def fault_point(stage: str, *where) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault_active(stage, "term", *where):
         os.kill(os.getpid(), signal.SIGTERM)
+    if fault_active(stage, "raise", *where):
+        raise InjectedFault(f"injected fault at {stage} step {':'.join(map(str, where))} "
+                            f"(rank {os.environ.get('RANK', 0)})")
 
 
 def fault_active(*where) -> bool:
     """True if HYBRID_RLHF_FAULT names this point (for faults other than a kill, e.g. "sft:nan:5")."""
+    if os.environ.get(FAULT_RANK_ENV) not in (None, os.environ.get("RANK", "0")):
+        return False
     return os.environ.get(FAULT_ENV) == ":".join(str(w) for w in where)
 
 

@@ -297,6 +297,21 @@ def set_activation_checkpointing(model, on: bool) -> None:
         disable()
 
 
+@contextlib.contextmanager
+def resident(model, device, home=None):
+    """`model`'s weights on `device` inside the block and back on `home` after it. A frozen role used once per PPO
+    step (the reward model scoring a rollout) then holds no GPU memory through the rollout and the updates, at
+    the price of a host <-> device copy each way (4-bit weights move as they are). home=None: no move."""
+    if home is None or torch.device(home) == torch.device(device):
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to(home)
+
+
 def save_model(model, tokenizer, out_dir: Path) -> None:
     """HF format with safetensors weights, loadable by from_pretrained and vLLM."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,12 +20,17 @@ from hybridcore.interrupts import oom_point
 class OomBackoff:
     """Runs one step's micro-batches: `micro_step(rows)` per slice, `zero_grad()` before a redo."""
 
-    def __init__(self, stage: str, micro_batch: int, say: Callable[[str], None] | None = None):
+    def __init__(self, stage: str, micro_batch: int, say: Callable[[str], None] | None = None,
+                 fault: str | None = None):
+        """fault: the name in the `<fault>:oom:<step>` test hook (default: stage); it fires once per step, however
+        many times run() is called in that step (PPO runs one per minibatch and pass)."""
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         self.stage, self.micro_batch = stage, micro_batch
         self.say = say or (lambda line: print(line, flush=True))
+        self.fault = fault or stage
         self.backoffs = 0
+        self._fired: set[int] = set()
 
     def accumulation(self, rows: int) -> int:
         """Micro-batches per step of `rows` rows at the current micro-batch size."""
@@ -33,15 +38,15 @@ class OomBackoff:
 
     def run(self, step: int, rows: int, micro_step: Callable[[slice], float], zero_grad: Callable[[], None]) -> float:
         """Forward+backward over `rows` rows; returns the sum of what micro_step returned (the step's loss)."""
-        inject = True  # an injected fault fires once per step, on the first attempt
         while True:
             try:
                 total = 0.0
                 for k, rows_slice in enumerate(micro_batches(rows, self.micro_batch)):
-                    # after one micro-batch when there are several, so partial gradients exist to be dropped
-                    if inject and k == min(1, self.accumulation(rows) - 1):
-                        inject = False
-                        oom_point(self.stage, step)
+                    # after one micro-batch when there are several, so partial gradients exist to be dropped;
+                    # an injected fault fires once per step, on the first attempt
+                    if step not in self._fired and k == min(1, self.accumulation(rows) - 1):
+                        self._fired.add(step)
+                        oom_point(self.fault, step)
                     total += micro_step(rows_slice)
                 return total
             except torch.OutOfMemoryError as e:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybridcore.errors import InputError, NotYetSupported
+from hybridcore.errors import InputError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -60,8 +60,6 @@ def validate(layout: Layout, field: str = "engine.layout") -> None:
     if layout.zero_stage == 3 and layout.tp > 1:
         raise InputError(f"{field}: zero_stage=3 with tp={layout.tp} is not a supported combination; use ZeRO-3 "
                          f"with tp=1, or zero_stage 0-2 with tensor parallelism")
-    if layout.tp > 1:
-        raise NotYetSupported(f"{field}.tp={layout.tp} (tensor-parallel training)", "the 3D sharding issue (#8)")
 
 
 def rank_grid(dp: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -162,7 +160,76 @@ def init(layout, timeout_s: float = 600.0) -> Groups:
         g = dist.new_group(ranks) if layout.tp > 1 else None
         if rank in ranks:
             groups.tp_group = g
+    global _current
+    _current = groups
     return groups
+
+
+# The layout this process runs in, set by init() for world > 1; stages read it through current().
+_current: Optional[Groups] = None
+
+
+def current() -> Groups:
+    """This process's Groups (one process, rank 0, when init() never ran for a world above 1)."""
+    return _current or Groups(Layout(), 0, 1, 0, None, torch.device("cpu"))
+
+
+def is_main() -> bool:
+    return current().is_main
+
+
+def dp_share(items, groups: Optional[Groups] = None):
+    """This dp rank's contiguous share of a global batch (`items` sliceable, its length a multiple of dp), so
+    that the ranks' shares, concatenated, are the dp=1 batch in its order."""
+    g = groups or current()
+    n = len(items)
+    if n % g.layout.dp:
+        raise ValueError(f"a batch of {n} rows does not split over dp={g.layout.dp} ranks")
+    k = n // g.layout.dp
+    return items[g.dp_rank * k:(g.dp_rank + 1) * k]
+
+
+def dp_sum(values):
+    """Sum over the dp ranks of a float, a tensor, or a dict/list of floats (one all-reduce); as given at dp=1."""
+    g = current()
+    if g.layout.dp == 1:
+        return values
+    if isinstance(values, torch.Tensor):  # on the group's device: NCCL reduces GPU tensors only
+        out = values.detach().to(g.device, torch.float64, copy=True)
+        dist.all_reduce(out, group=g.dp_group)
+        return out.to(values.device, values.dtype)
+    keys = list(values) if isinstance(values, dict) else None
+    flat = [values[k] for k in keys] if keys is not None else ([values] if isinstance(values, (int, float))
+                                                              else list(values))
+    t = torch.tensor([float(v) for v in flat], dtype=torch.float64, device=g.device)
+    dist.all_reduce(t, group=g.dp_group)
+    out = t.tolist()
+    if keys is not None:
+        return dict(zip(keys, out))
+    return out[0] if isinstance(values, (int, float)) else out
+
+
+def dp_mean(values):
+    """Mean over the dp ranks (equal shares: the global mean of per-row figures); as given at dp=1."""
+    dp = current().layout.dp
+    if dp == 1:
+        return values
+    total = dp_sum(values)
+    if isinstance(total, dict):
+        return {k: v / dp for k, v in total.items()}
+    return total / dp if not isinstance(total, list) else [v / dp for v in total]
+
+
+def dp_any(flag: bool) -> bool:
+    """True on every rank if it is true on any (a stop request must be seen by all ranks at the same step)."""
+    if current().layout.dp == 1:
+        return flag
+    return dp_sum(1.0 if flag else 0.0) > 0
+
+
+def barrier() -> None:
+    if current().world > 1:
+        dist.barrier()
 
 
 def free_port() -> int:
@@ -186,5 +253,7 @@ def ensure_process_group() -> None:
 
 def shutdown() -> None:
     """Destroy the process group (if any), so a test or a second stage in the same process starts clean."""
+    global _current
+    _current = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -27,9 +27,19 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit variance over real tokens; padding stays 0 so it cannot leak into losses."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  reduce=None) -> torch.Tensor:
+    """Zero mean, unit variance over real tokens; padding stays 0 so it cannot leak into losses.
+
+    reduce: sums a tensor over the data-parallel ranks, so that mean and variance are those of the global batch."""
+    if reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        n = reduce(mask.sum())
+        mean = reduce(masked_sum(x, mask)) / n.clamp(min=1)
+        var = reduce(masked_sum((x - mean) ** 2, mask)) / n.clamp(min=1)
+        if n > 1:
+            var = var * n / (n - 1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

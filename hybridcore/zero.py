@@ -23,8 +23,9 @@ TAG = "engine"
 
 
 def backend_for(layout: Layout) -> str:
-    """Plain torch when nothing is sharded, offloaded or replicated; DeepSpeed otherwise."""
-    plain = (layout.zero_stage == 0 and layout.dp == 1 and layout.tp == 1
+    """Plain torch when nothing is ZeRO-sharded, offloaded or data-parallel (tensor parallelism alone runs on
+    torch: its collectives live in the model's ParallelLinear layers); DeepSpeed otherwise."""
+    plain = (layout.zero_stage == 0 and layout.dp == 1
              and not layout.offload_optimizer and not layout.offload_params)
     return "torch" if plain else "deepspeed"
 
@@ -83,11 +84,30 @@ def _flatten(obj):
             yield from _flatten(v)
 
 
+class TrainedOnly(torch.nn.Module):
+    """The trained parameters of a model (or of a TrainableState), registered on a module of their own, so that
+    DeepSpeed sees, flattens, shards and checkpoints only them and never touches the frozen base: its casts and
+    flat buffers would not survive a 4-bit/8-bit base, and its checkpoints would hold the whole base. The
+    parameters are the model's own objects, so the stage's forwards through the model train them."""
+
+    def __init__(self, source):
+        super().__init__()
+        named = [(n, p) for n, p in source.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("TrainedOnly: nothing to train (no parameter requires grad)")
+        for name, param in named:
+            self.register_parameter(name.replace(".", "__"), param)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("TrainedOnly holds parameters only: run forwards through the model itself")
+
+
 class TrainEngine:
     """model + optimizer + schedule; `backward(loss)` per micro-batch, `step()` at the boundary.
 
     Call `engine.model(...)` for training forwards (the DeepSpeed engine, or the module itself); `engine.module`
-    is the plain nn.Module (its attributes, evaluation, export through full_state_dict())."""
+    is the plain nn.Module (its attributes, evaluation, export through full_state_dict()); under DeepSpeed with
+    frozen parameters (LoRA over a frozen or quantised base) it is the TrainedOnly holder of the trained ones."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, total_steps: int, warmup_ratio: float,
                  max_grad_norm: float, weight_decay: float = 0.0, min_lr_ratio: float = 0.1,
@@ -99,6 +119,12 @@ class TrainEngine:
         validate(self.layout)
         self.backend = backend_for(self.layout)
         self.max_grad_norm = max_grad_norm
+        self.groups = groups
+        if self.layout.tp > 1:
+            from hybridcore.tensor_parallel import split_size
+            if groups is None or groups.tp_group is None or split_size(model) != self.layout.tp:
+                raise ValueError(f"engine.layout.tp={self.layout.tp}: split the model with "
+                                 f"tensor_parallel.split_model over groups.tp_group and pass groups= first")
         if self.backend == "torch":
             self.module = self.model = model
             self.optimizer = optim.adamw(model, lr, weight_decay)
@@ -117,6 +143,12 @@ class TrainEngine:
             raise InputError(f"engine.layout: dp={self.layout.dp} x tp={self.layout.tp} = {self.layout.world} "
                              f"processes, but this run has {world}; start it with torchrun --nproc-per-node "
                              f"{self.layout.world}")
+        if not isinstance(model, torch.nn.Module) or any(not p.requires_grad for p in model.parameters()):
+            if self.layout.zero_stage == 3 or self.layout.tp > 1:
+                raise NotYetSupported("DeepSpeed ZeRO-3 or tp > 1 over LoRA adapters / a frozen base (ZeRO-3 would "
+                                      "partition parameters the model's own forwards read whole)",
+                                      "the 3D sharding issue (#8)")
+            model = TrainedOnly(model)  # adapters (+ a value head) over a frozen, possibly quantised base
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
         if dtypes - {torch.float32, torch.bfloat16} or len(dtypes) != 1:
             raise NotYetSupported(f"DeepSpeed training of parameters in {sorted(map(str, dtypes))}",
@@ -125,7 +157,9 @@ class TrainEngine:
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
         bucket = max(2 ** 20, -(-n // 32) * 32)
         offload_adam = self.layout.offload_optimizer and cpu_adam
-        groups_ = optim.param_groups(model, weight_decay)
+        # no empty group: DeepSpeed drops those, and the schedule would then have more groups than the optimizer
+        # (LoRA adapters are all 2-D: nothing in the no-decay group)
+        groups_ = [g for g in optim.param_groups(model, weight_decay) if g["params"]]
         self.trained = [p for g in groups_ for p in g["params"]]  # before ZeRO swaps the groups for flat partitions
         if offload_adam:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -135,9 +169,14 @@ class TrainEngine:
         sched = optim.warmup_cosine(opt, total_steps, warmup_ratio, min_lr_ratio)
         config = ds_config(self.layout, bf16, max_grad_norm, micro_batch, cpu_adam=offload_adam,
                            bucket_elements=bucket)
-        # tp = 1 (validate refuses more), so DeepSpeed's data-parallel group is the whole world: no mpu needed
+        # tp > 1: DeepSpeed's data-parallel group is our dp group, and its ZeRO-1/2 gradient norm counts the
+        # `tensor_model_parallel` shards on every tp rank and replicated parameters once (through the mpu)
+        mpu = None
+        if self.layout.tp > 1:
+            from hybridcore.tensor_parallel import Mpu
+            mpu = Mpu(groups)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=config, dist_init_required=False)
+            model=model, optimizer=opt, lr_scheduler=sched, config=config, dist_init_required=False, mpu=mpu)
         self.module = self.ds.module
         # training forwards go through the DeepSpeed engine: its forward() advances ZeRO's micro-step count,
         # without which ZeRO-3 overwrites (instead of adds) each micro-batch's gradient partition
@@ -155,6 +194,14 @@ class TrainEngine:
 
     def step(self) -> float:
         """Clip, update, advance the schedule, clear grads; returns the pre-clip global gradient norm."""
+        if self.ds is None and self.layout.tp > 1:
+            from hybridcore.tensor_parallel import clip_grad_norm_
+            norm = clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], self.max_grad_norm,
+                                   self.groups.tp_group)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
         if self.ds is None:
             return optim.step(self.module, self.optimizer, self.scheduler, self.max_grad_norm)
         self.ds.step()
@@ -174,7 +221,11 @@ class TrainEngine:
         _reset_partitioned_grads(opt)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight whole, as CPU copies (ZeRO-3 gathers its shards; all ranks must call it), for export."""
+        """Every weight whole, as CPU copies (ZeRO-3 gathers its shards; all ranks must call it), for export.
+        With tp > 1 the tp shards are gathered to global rank 0, and the other ranks get None."""
+        if self.layout.tp > 1:
+            from hybridcore.tensor_parallel import consolidated_state_dict
+            return consolidated_state_dict(self.module, self.groups)
         if self.layout.zero_stage != 3:
             return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
         import deepspeed
@@ -208,10 +259,14 @@ class TrainEngine:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         if self.ds is None:
-            torch.save({"model": self.module.state_dict(), **self.state_dict()}, folder / "engine.pt")
+            torch.save({"model": self.module.state_dict(), **self.state_dict()}, folder / self._torch_file())
         else:
             self.ds.save_checkpoint(str(folder), tag=TAG, save_latest=False)
         (folder / "engine.json").write_text(json.dumps({"backend": self.backend, "layout": vars(self.layout)}))
+
+    def _torch_file(self) -> str:
+        """One file per tensor-parallel rank (each holds different shards); engine.pt without tp."""
+        return "engine.pt" if self.layout.tp == 1 else f"engine-tp{self.groups.tp_rank}.pt"
 
     def load(self, folder: Path) -> None:
         """Restore what save() wrote; the layout must be the one it was saved with."""
@@ -221,7 +276,7 @@ class TrainEngine:
             raise NotYetSupported(f"resuming a checkpoint saved with layout {saved['layout']} under layout "
                                   f"{vars(self.layout)} (resharding)", "the 3D sharding issue (#8)")
         if self.ds is None:
-            blob = torch.load(folder / "engine.pt", weights_only=True)
+            blob = torch.load(folder / self._torch_file(), weights_only=True)
             self.module.load_state_dict(blob.pop("model"))
             self.load_state_dict(blob)
         else:

@@ -18,12 +18,12 @@ from hybridcore.errors import InputError, TrainingFault
 from hybridcore.interrupts import Interrupted, stop_requested
 from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
                                load_tokenizer, save_model, train_tokenizer)
-from stages import data
 
 
 def base_model(p):
     """(tokenizer, causal LM) the pipeline starts from: a local folder, or a preset built for this run;
     quantised as engine.roles.actor says (SFT trains the actor role)."""
+    from stages import data  # on use: it needs datasets + pyarrow, absent where bench/memory.py runs
     prec, attn, quant = role_precision(p, "actor"), p.engine.attention, p.engine.roles.actor.quantization
     dev = device(p)
     if p.model.path is not None:
@@ -119,7 +119,9 @@ class StepLog:
     """Progress bar, throughput and a loss history for one training loop."""
 
     def __init__(self, name: str, total: int, sink):
-        self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True, leave=True)
+        from hybridcore.parallel import is_main
+        self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True, leave=True,
+                        disable=not is_main())  # one bar per job: rank 0's
         self.sink, self.losses, self.t0, self.tokens = sink, [], time.perf_counter(), 0
 
     def step(self, step: int, loss: float, tokens: int, **extra: float) -> None:
@@ -179,14 +181,27 @@ def finite(stage: str, step: int, policy: str, **values) -> bool:
 
 
 def trainer(p, model, *, lr: float, steps: int, warmup_ratio: float, min_lr_ratio: float, max_grad_norm: float,
-            micro_batch: int, weight_decay: float = 0.0):
-    """`model`'s optimizer, schedule and step as engine.layout says: plain torch AdamW, or DeepSpeed ZeRO-1/2
-    (optimizer states optionally offloaded to CPU) in this process."""
+            micro_batch: int, weight_decay: float = 0.0, layout=None):
+    """`model`'s optimizer, schedule and step as engine.layout says (or `layout`, when the memory planner turned on
+    offload): plain torch AdamW, or DeepSpeed ZeRO-1/2 (optimizer states optionally on the CPU) in this process."""
     from hybridcore.parallel import Layout
     from hybridcore.zero import TrainEngine
     return TrainEngine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
-                       max_grad_norm=max_grad_norm, weight_decay=weight_decay, layout=Layout.of(p.engine.layout),
-                       micro_batch=micro_batch)
+                       max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+                       layout=Layout.of(layout if layout is not None else p.engine.layout), micro_batch=micro_batch)
+
+
+def planned(p, stage: str, batch_size: int, configured: int, models, trained, probe, sink):
+    """(micro-batch, layout, metrics): the memory planner's choice when engine.memory_budget_gib is set (measured
+    with `probe(rows)`, logged in one line and to the sink at step 0), else the configured micro-batch and layout."""
+    if p.engine.memory_budget_gib is None:
+        return configured, p.engine.layout, {}
+    from hybridcore.errors import say
+    from hybridcore.planner import plan_stage
+    plan, layout = plan_stage(stage, p.engine.memory_budget_gib, batch_size, configured, models, trained,
+                              p.engine.layout, device(p), probe, say)
+    sink.log(plan.metrics(), 0)
+    return plan.micro_batch, layout, plan.metrics()
 
 
 def checkpoint_parts(engines: dict, models: dict) -> tuple[dict, dict, dict]:
@@ -230,7 +245,8 @@ class Resumable:
         return step, state
 
     def after_step(self, done: int, **state) -> None:
-        stop = stop_requested()
+        from hybridcore.parallel import dp_any
+        stop = dp_any(stop_requested())  # every rank stops after the same step (the checkpoint is collective)
         if self.ckpt.due(done) or stop:
             self.ckpt.save(done, self.models, self.stateful, {"log": self.log.state(), **state}, self.engines)
         if stop:

@@ -10,9 +10,9 @@ import torch
 from hybridcore.actor import HybridActor
 from hybridcore.batch import encode, micro_batches, pack
 from hybridcore.forward import batched, sequence_scores
-from hybridcore.models import load_tokenizer
+from hybridcore.models import load_tokenizer, resident
 from stages import data
-from stages.common import frozen, load_policy, load_scorer, seed_all
+from stages.common import device, frozen, load_policy, load_scorer, seed_all
 
 
 @torch.no_grad()
@@ -30,6 +30,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     rm = frozen(load_scorer(p, inputs["reward"] / "model", "reward", tok.pad_token_id))
+    home = torch.device("cpu") if p.engine.roles.reward.offload else None  # the RM waits there while policies run
+    if home is not None:
+        rm.to(home)
     held = data.load("prompts", p).heldout
     texts = held["prompt"]
     gold = held["answer"] if "answer" in held.column_names else [None] * len(texts)
@@ -37,7 +40,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics, rows = {"prompts": len(prompts)}, [dict(prompt=t, answer=a) for t, a in zip(texts, gold)]
     for name in ("sft", "ppo"):
         responses = answers(load_policy(p, inputs[name] / "model", "actor"), tok, prompts, cfg)
-        rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id, rm.device), cfg.batch_size)
+        with resident(rm, device(p), home):
+            rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id, rm.device),
+                              cfg.batch_size)
         decoded = tok.batch_decode(responses, skip_special_tokens=True)
         checks = [data.check_answer(r, a) for r, a in zip(decoded, gold)]
         metrics[f"{name}_reward"] = float(rewards.mean())

@@ -179,6 +179,7 @@ class Role(_Section):
     precision: Optional[Literal["fp32", "bf16"]] = None  # null = engine.precision (4-bit compute dtype too)
     quantization: Literal["none", "8bit", "4bit"] = "none"  # bitsandbytes; 4bit = NF4 + double quantisation
     lora: Optional[Lora] = None             # {rank, alpha, targets}; a quantised trained role needs it (QLoRA)
+    offload: bool = False                   # reward, reference: weights on the CPU, on the device only to score
 
 
 class Roles(_Section):
@@ -212,13 +213,14 @@ class Rollout(_Section):
 
 
 class Engine(_Section):
-    # where the stages run; auto = the GPU when torch sees one. cpu by default until the stages' GPU path has been
-    # run on a GPU (bench/stages_smoke.sh; the memory issue, #5)
-    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    # where the stages run; auto = the GPU when torch sees one (the stages' GPU path: bench/stages_smoke.sh)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "bf16"
     attention: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = True
-    memory_budget_gib: Optional[float] = Field(None, gt=0)  # the planner is on when set
+    # the planner is on when set: GiB for this process on its device; each stage measures its micro-step and picks
+    # the largest power-of-two micro-batch that fits (hybridcore/planner.py); the batch sizes stay as configured
+    memory_budget_gib: Optional[float] = Field(None, gt=0)
     share_base: bool = False                # actor + critic adapters on one frozen base
     roles: Roles = Roles()
     layout: Layout = Layout()
@@ -350,8 +352,6 @@ def check_supported(p: Params) -> None:
     """Engine options whose code has not landed yet are refused up front, naming the issue that brings them."""
     e = p.engine
     check_roles(p)
-    if e.memory_budget_gib is not None:
-        raise NotYetSupported("engine.memory_budget_gib (the planner)", "the memory issue (#5)")
     check_layout(p)
     if e.rollout.tp != 1:
         raise NotYetSupported("engine.rollout.tp other than 1", "the 3D sharding issue (#8)")
@@ -359,30 +359,53 @@ def check_supported(p: Params) -> None:
 
 def check_layout(p: Params) -> None:
     """What the stages run today: one process, plain AdamW or DeepSpeed ZeRO-1/2 (optimizer states optionally on
-    CPU) for full fine-tunes. Several processes need the torchrun launch, ZeRO-3 the stages' forwards to go
-    through DeepSpeed's engine (both #8); ZeRO over adapters or a quantised base is not built (#5)."""
+    CPU) for full fine-tunes, in one process or as a torchrun job of dp ranks (tp=1). Tensor-parallel stages and
+    ZeRO-3 (the stages' forwards through DeepSpeed's engine) are #8. ZeRO-1/2 also train LoRA adapters over a frozen
+    (4/8-bit or shared) base in one process."""
     e, lay = p.engine, p.engine.layout
     if lay == Layout():
         return
     from hybridcore.parallel import Layout as Plain, validate  # torch: only when a layout is asked for
     validate(Plain.of(lay))
-    if lay.dp * lay.tp > 1:
-        raise NotYetSupported(f"engine.layout dp={lay.dp} x tp={lay.tp} in the stages (the torchrun launch)",
+    if lay.tp > 1:
+        raise NotYetSupported(f"engine.layout.tp={lay.tp} in the stages (tensor-parallel stages)",
                               "the 3D sharding issue (#8)")
+    if lay.dp > 1:
+        check_data_parallel(p)
     if lay.zero_stage == 3:
         raise NotYetSupported("engine.layout.zero_stage=3 in the stages", "the 3D sharding issue (#8)")
     if lay.zero_stage == 0:
         return
-    roles = [getattr(e.roles, r) for r in TRAINED]
-    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
-        raise NotYetSupported("engine.layout.zero_stage with LoRA, quantised roles or share_base (ZeRO shards "
-                              "full fine-tunes here)", "the memory issue (#5)")
+    # ZeRO-1/2 over LoRA adapters (+ a value head) on a frozen, possibly quantised or shared base: DeepSpeed sees
+    # only the trained parameters (hybridcore/zero.py TrainedOnly)
     if e.rollout.offload_optimizer:
         raise InputError("engine.rollout.offload_optimizer: true under ZeRO (engine.layout.zero_stage > 0); expected "
                          "false, and engine.layout.offload_optimizer: true to keep the optimizer states on the CPU")
 
 
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO
+
+
+def check_data_parallel(p: Params) -> None:
+    """dp > 1 (a torchrun job, stages/launch.py): full fine-tunes with the native rollout, every batch split into
+    equal shares per rank."""
+    e, dp = p.engine, p.engine.layout.dp
+    roles = [getattr(e.roles, r) for r in TRAINED]
+    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
+        raise NotYetSupported(f"engine.layout.dp={dp} with LoRA, quantised roles or share_base",
+                              "the 3D sharding issue (#8)")
+    if e.rollout.backend != "native" or e.rollout.offload_optimizer:
+        raise NotYetSupported(f"engine.layout.dp={dp} with engine.rollout.backend={e.rollout.backend} or "
+                              f"engine.rollout.offload_optimizer=true", "the 3D sharding issue (#8)")
+    if e.memory_budget_gib is not None:  # each rank would probe on its own, out of step with the others
+        raise NotYetSupported(f"engine.layout.dp={dp} with engine.memory_budget_gib (the planner across ranks)",
+                              "the 3D sharding issue (#8)")
+    for field, value in (("sft.batch_size", p.sft.batch_size), ("reward.batch_size", p.reward.batch_size),
+                         ("ppo.rollout_batch_size", p.ppo.rollout_batch_size),
+                         ("ppo.minibatch_size", p.ppo.minibatch_size)):
+        if value % dp:
+            raise InputError(f"{field}: found {value}, expected a multiple of engine.layout.dp={dp} (each rank "
+                             f"takes an equal share of every batch)")
 
 
 def check_roles(p: Params) -> None:
@@ -397,6 +420,13 @@ def check_roles(p: Params) -> None:
                              f"trained needs adapters (QLoRA); expected engine.roles.{role}.lora to be set")
     if e.roles.reference.lora is not None:
         raise InputError("engine.roles.reference.lora: the reference policy is never trained; expected null")
+    for role in ("actor", "critic"):
+        if getattr(e.roles, role).offload:
+            raise InputError(f"engine.roles.{role}.offload: true, but the {role} trains on the device every step; "
+                             f"expected false (engine.layout.offload_optimizer moves its optimizer states instead)")
+    if e.share_base and e.roles.reference.offload:
+        raise InputError("engine.roles.reference.offload: true, but with engine.share_base the reference is the "
+                         "actor's own base; expected false")
     if not e.share_base:
         return
     for role in ("actor", "critic"):

@@ -14,23 +14,27 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
 from hybridcore import rl
 from hybridcore.actor import HybridActor
-from hybridcore.batch import encode, micro_batches, pack
+from hybridcore.batch import encode, pack
 from hybridcore.forward import batched, response_logprobs, response_logprobs_entropy, response_values, sequence_scores
+from hybridcore.errors import say
 from hybridcore.freezing import TrainableState, assert_frozen
-from hybridcore.models import DTYPES, load_tokenizer
+from hybridcore.ledger import MemoryLedger
+from hybridcore.models import DTYPES, load_tokenizer, resident
+from hybridcore.oom import OomBackoff
+from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum, is_main
 from hybridcore.shared_base import SharedBase, value_head
-from stages import data
 from hybridcore.interrupts import fault_active, fault_point
 from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, frozen, load_policy,
-                           load_scorer, lora_spec, optimizer_metrics, role_precision, seed_all, trainer, with_lora)
+                           load_scorer, lora_spec, optimizer_metrics, planned, role_precision, seed_all, trainer,
+                           with_lora)
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -57,9 +61,20 @@ class Models:
     peft: object = None
     adapter: str = "default"
     shared: Optional[SharedBase] = None
+    homes: dict = field(default_factory=dict)   # role -> where an offloaded frozen role's weights live (the CPU)
+    moved_in: Callable[[], None] = lambda: None  # called once an offloaded role is on the device (the ledger)
 
     def use(self, role: str):
         return self.shared.use(role) if self.shared is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def resident(self, role: str, model):
+        """`model` on the training device while it scores; back home after when engine.roles.<role>.offload."""
+        home = self.homes.get(role)
+        with resident(model, self.policy.device, home):
+            if home is not None:
+                self.moved_in()
+            yield
 
     def frozen_check(self, optimizers) -> None:
         assert_frozen("ppo", {"actor": self.policy, "reference": self.ref, "critic": self.critic, "reward": self.rm},
@@ -70,6 +85,9 @@ def load_models(p, inputs: dict[str, Path], tok) -> Models:
     cfg = p.ppo
     sft, rm_dir = inputs["sft"] / "model", inputs["reward"] / "model"
     rm = frozen(load_scorer(p, rm_dir, "reward", tok.pad_token_id))
+    homes = offload_homes(p)
+    if "reward" in homes:  # quantised on the device as it loaded, then parked until each scoring
+        rm.to(homes["reward"])
     if p.engine.share_base:
         base = load_policy(p, sft, "actor")
         head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
@@ -77,16 +95,24 @@ def load_models(p, inputs: dict[str, Path], tok) -> Models:
                           getattr(base.config, "initializer_range", 0.02), p.pipeline.seed).to(base.device)
         sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
         return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
-                      {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb)
+                      {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb, homes)
     policy, peft = with_lora(p, load_policy(p, sft, "actor"), "actor")
     ref = frozen(load_policy(p, sft, "reference"))
+    if "reference" in homes:
+        ref.to(homes["reference"])
     critic_from = rm_dir if cfg.critic_init == "reward" else sft
     critic, critic_peft = with_lora(p, load_scorer(p, critic_from, "critic", tok.pad_token_id), "critic",
                                     keep_trainable=("score",))
     return Models(policy, ref, critic, rm,
                   policy if peft is None else TrainableState.of(policy),
                   critic if critic_peft is None else TrainableState.of(critic),
-                  {"actor": checkpointed(policy, peft), "critic": checkpointed(critic, critic_peft)}, peft)
+                  {"actor": checkpointed(policy, peft), "critic": checkpointed(critic, critic_peft)}, peft,
+                  homes=homes)
+
+
+def offload_homes(p) -> dict:
+    """Frozen roles whose weights wait on the CPU between scorings (engine.roles.<role>.offload)."""
+    return {role: torch.device("cpu") for role in ("reward", "reference") if getattr(p.engine.roles, role).offload}
 
 
 @torch.no_grad()
@@ -95,11 +121,12 @@ def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
     mask = batch.response_mask.float()
     with m.use("actor"):
         old_logp = batched(response_logprobs, m.policy, batch, micro)
-    with m.use("reference"):
+    with m.use("reference"), m.resident("reference", m.ref):
         ref_logp = batched(response_logprobs, m.ref, batch, micro)
     with m.use("critic"):
         values = batched(response_values, m.critic, batch, micro)
-    scores = batched(sequence_scores, m.rm, batch, micro)
+    with m.resident("reward", m.rm):
+        scores = batched(sequence_scores, m.rm, batch, micro)
     ended = (batch.responses == eos_id).any(1)
     if cfg.missing_eos_penalty is not None:
         scores = scores + (~ended).float() * cfg.missing_eos_penalty
@@ -109,44 +136,130 @@ def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
     rewards[torch.arange(len(batch), device=rewards.device), last] += scores
     adv, returns = rl.gae(rewards, values * mask, mask, cfg.gamma, cfg.lam)
     return {"old_logp": old_logp, "ref_logp": ref_logp, "values": values * mask, "returns": returns,
-            "advantages": rl.masked_whiten(adv, mask), "scores": scores, "kl": kl, "mask": mask, "ended": ended}
+            "advantages": rl.masked_whiten(adv, mask, reduce=dp_sum if layout_now().layout.dp > 1 else None),
+            "scores": scores, "kl": kl, "mask": mask, "ended": ended}
 
 
-def update(cfg, batch, exp, m: Models, engines, micro: int, seed: int, it: int) -> dict:
-    """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch."""
+ACTOR_STATS = ("policy_loss", "clipfrac", "approx_kl", "entropy")
+CRITIC_STATS = ("value_loss", "value_clipfrac")
+
+
+def no_phase(name: str):
+    """The default `phase` of update(): no memory ledger."""
+    return contextlib.nullcontext()
+
+
+def update_backoffs(micro: int) -> tuple[OomBackoff, OomBackoff]:
+    """The actor's and the critic's out-of-memory back-off, kept for the whole stage (a smaller size sticks).
+    `ppo:oom:<step>` injects a fault into the actor pass, `ppo:critic:oom:<step>` into the critic pass."""
+    return OomBackoff("ppo actor", micro, fault="ppo"), OomBackoff("ppo critic", micro, fault="ppo:critic")
+
+
+def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomBackoff], seed: int, it: int,
+           phase: Callable[[str], ContextManager] = no_phase) -> dict:
+    """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch.
+
+    Each minibatch runs an actor pass (every micro-batch's policy-loss backward) and then a critic pass, each under
+    its own OomBackoff. The gradients equal those of interleaving the two per micro-batch: actor and critic train
+    disjoint parameters (with share_base, different adapters; the actor's loss runs with the critic adapter off),
+    and each parameter's gradient is still accumulated over the micro-batches in the same order. Statistics are
+    token-weighted over the minibatch, so they do not depend on the micro-batch size either."""
     g = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
                                                      "approx_kl", "entropy")}
     n = len(batch)
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(n, generator=g)
-        for start in range(0, n, cfg.minibatch_size):
-            mb = perm[start:start + cfg.minibatch_size]
-            n_tok = exp["mask"][mb].sum().clamp(min=1)
-            for s in micro_batches(len(mb), micro):
+        size = cfg.minibatch_size // layout_now().layout.dp  # this rank's part of each global minibatch
+        for start in range(0, n, size):
+            mb = perm[start:start + size]
+            n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
+            sums: dict[str, float] = {}
+
+            def rows(s: slice, keys: tuple[str, ...]):
                 idx = mb[s]
-                sub, mask = batch.select(idx), exp["mask"][idx]
-                share = mask.sum() / n_tok  # micro-batch's share of the minibatch's tokens
+                mask = exp["mask"][idx]
+                if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
+                    sums.update({k: 0.0 for k in keys})
+                return idx, batch.select(idx), mask, mask.sum() / n_tok  # share of the minibatch's tokens
+
+            def actor_step(s: slice) -> float:
+                idx, sub, mask, share = rows(s, ACTOR_STATS)
                 with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
                     logp, ent = response_logprobs_entropy(m.policy, sub)
                     pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx],
                                                              mask, cfg.clip_range)
                     entropy = rl.masked_mean(ent, mask)
                     engines[0].backward((pl - cfg.entropy_coef * entropy) * share)
+                for k, v in zip(ACTOR_STATS, (pl, clipfrac, approx_kl, entropy)):
+                    sums[k] += float(v.detach() * share)
+                return float(pl.detach() * share)
+
+            def critic_step(s: slice) -> float:
+                idx, sub, mask, share = rows(s, CRITIC_STATS)
                 with m.use("critic"):
                     values = response_values(m.critic, sub)
                     vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
                     engines[1].backward(vl * share)
-                for k, v in zip(stats, (pl, vl, clipfrac, vclip, approx_kl, entropy)):
-                    stats[k].append(v.item())
-            ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=stats["policy_loss"][-1],
-                        value_loss=stats["value_loss"][-1])
+                for k, v in zip(CRITIC_STATS, (vl, vclip)):
+                    sums[k] += float(v.detach() * share)
+                return float(vl.detach() * share)
+
+            passes = (("actor_update", 0, actor_step, ACTOR_STATS), ("critic_update", 1, critic_step, CRITIC_STATS))
+            for name, r, step_fn, keys in passes:
+                with phase(name):
+                    backoffs[r].run(it, len(mb), step_fn, engines[r].zero_grad)
+                for k in keys:
+                    stats[k].append(sums[k])
+            pl_sum, vl_sum = dp_sum([stats["policy_loss"][-1], stats["value_loss"][-1]])  # all ranks skip alike
+            ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=pl_sum, value_loss=vl_sum)
             for engine in engines:
                 if ok:
                     engine.step()
                 else:
                     engine.zero_grad()
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+    out = dp_mean({k: sum(v) / len(v) for k, v in stats.items()})
+    out.update(actor_micro_batch=float(backoffs[0].micro_batch), critic_micro_batch=float(backoffs[1].micro_batch))
+    return out
+
+
+def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
+    """The memory planner's probe: one actor and one critic micro-step on `rows` copies of the longest prompt with a
+    full-length response (the peak of the two is what the update needs)."""
+    j = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    response = [prompts[j][-1]] * max_new_tokens
+
+    def micro_step(rows: int) -> None:
+        try:
+            sub = pack([prompts[j]] * rows, [response] * rows, 0, m.policy.device)
+            with m.use("actor"):
+                logp, ent = response_logprobs_entropy(m.policy, sub)
+                (logp.mean() + ent.mean()).backward()
+            with m.use("critic"):
+                response_values(m.critic, sub).mean().backward()
+        finally:  # also after an out-of-memory error: no gradient may reach the first real update
+            for q in (*m.actor_params.parameters(), *m.critic_params.parameters()):
+                q.grad = None
+    return micro_step
+
+
+def rollout_offload(p, m: Models, layout, prompts: list[list[int]], plan_metrics: dict) -> bool:
+    """engine.rollout.offload_optimizer, or the memory planner's call (plain AdamW: under ZeRO DeepSpeed owns the
+    states) when the rollout's KV cache would not fit beside the actor's optimizer states."""
+    if p.engine.rollout.offload_optimizer or p.engine.memory_budget_gib is None or layout.zero_stage > 0:
+        return p.engine.rollout.offload_optimizer
+    from hybridcore import planner
+    actor, critic = list(m.actor_params.parameters()), list(m.critic_params.parameters())
+    actor_states = planner.optimizer_state_bytes(actor, 0, False)
+    held = planner.held_bytes((m.policy, m.ref, m.critic, m.rm)) + planner.optimizer_state_bytes(critic, 0, False)
+    kv = planner.kv_cache_bytes(m.policy.config, p.ppo.rollout_batch_size // p.engine.layout.dp,
+                                max(map(len, prompts)) + p.ppo.max_new_tokens, DTYPES[role_precision(p, "actor")])
+    on = planner.choose_rollout_offload(p.engine.memory_budget_gib, held + actor_states, actor_states, kv)
+    plan_metrics["planned_rollout_offload"] = float(on)
+    if on:
+        say(f"ppo: memory planner moves the actor's optimizer states to the CPU while it rolls out (a "
+            f"{kv / 2 ** 20:.1f} MiB KV cache does not fit beside them)")
+    return on
 
 
 def backend_options(p, prompts: list[list[int]]) -> dict:
@@ -164,19 +277,26 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     m = load_models(p, inputs, tok)
+    from stages import data  # here, not at the top: bench/memory.py imports this module where datasets is absent
     prompts, _ = encode(tok, data.load("prompts", p).train["prompt"])
     if len(prompts) < cfg.rollout_batch_size:
         from hybridcore.errors import InputError
         raise InputError(f"data.prompts: {len(prompts)} prompts is fewer than ppo.rollout_batch_size="
                          f"{cfg.rollout_batch_size}")
     updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
+    m.policy.train()
+    m.critic.train()
+    micro, layout, plan_metrics = planned(
+        p, "ppo", cfg.minibatch_size // p.engine.layout.dp, cfg.micro_batch_size, (m.policy, m.ref, m.critic, m.rm),
+        [*m.actor_params.parameters(), *m.critic_params.parameters()], probe(m, prompts, cfg.max_new_tokens), sink)
     engines = [trainer(p, params, lr=lr, steps=updates, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=1.0,
-                       max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
+                       max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
                for params, lr in ((m.actor_params, cfg.actor_lr), (m.critic_params, cfg.critic_lr))]
     m.frozen_check([e.trained for e in engines])
+    offload = rollout_offload(p, m, layout, prompts, plan_metrics)
     actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing,
-                        optimizer=engines[0].optimizer if p.engine.rollout.offload_optimizer else None,
-                        offload_optimizer=p.engine.rollout.offload_optimizer, backend=p.engine.rollout.backend,
+                        optimizer=engines[0].optimizer if offload else None,
+                        offload_optimizer=offload, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts))
     m.policy.train()
     m.critic.train()
@@ -186,44 +306,59 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                      log)
     start, state = loop.resume()
     history = state.get("history", [])
+    backoffs = update_backoffs(micro)
+    ledger = MemoryLedger(m.policy.device, models=(m.policy, m.ref, m.critic, m.rm), engines=engines)
     try:
         for it in range(cfg.iterations):
             batch_prompts = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
+            batch_prompts = dp_share(batch_prompts)  # each dp rank rolls out and scores its share
             if it < start:
                 continue
             fault_point("ppo", it)
-            torch.manual_seed(p.pipeline.seed * 100_003 + it)
+            # each dp rank samples its share with its own stream (rank 0's is the one-process stream)
+            torch.manual_seed(p.pipeline.seed * 100_003 + it + 1_000_003 * layout_now().dp_rank)
             t0 = time.perf_counter()
-            with m.use("actor"), actor.rollout():
+            with ledger.phase("rollout") as mem, m.use("actor"), actor.rollout():
                 responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
                                            top_k=cfg.top_k, top_p=cfg.top_p)
+                mem.hold("kv_cache", actor.backend.kv_cache_bytes)  # freed when the rollout ends
             t1 = time.perf_counter()
-            batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
-            exp = make_experience(cfg, batch, m, tok.eos_token_id, cfg.micro_batch_size)
+            with ledger.phase("scoring") as mem:
+                m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
+                batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
+                exp = make_experience(cfg, batch, m, tok.eos_token_id, micro)
             if fault_active("ppo", "nan", it):
                 exp["scores"][0] = float("nan")
             t2 = time.perf_counter()
-            if not finite("ppo", it, cfg.on_nonfinite, reward=exp["scores"].sum(), advantages=exp["advantages"].sum()):
+            reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item()])
+            if not finite("ppo", it, cfg.on_nonfinite, reward=reward_sum, advantages=adv_sum):
                 loop.after_step(it + 1, history=history)
                 continue
-            stats = update(cfg, batch, exp, m, engines, cfg.micro_batch_size, p.pipeline.seed + it, it)
+            stats = update(cfg, batch, exp, m, engines, backoffs, p.pipeline.seed + it, it, phase=ledger.phase)
             actor.reserve_host_states()  # the offload buffers are pinned here, never inside a transition
             t3 = time.perf_counter()
             mask = exp["mask"]
-            metrics = {"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
-                       "response_length": float(mask.sum(1).mean()), "ended_fraction": float(exp["ended"].float().mean()),
-                       "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], mask)),
+            # equal shares per rank: the mean of the ranks' means is the rollout batch's (explained variance: approx.)
+            metrics = {**dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
+                                  "response_length": float(mask.sum(1).mean()),
+                                  "ended_fraction": float(exp["ended"].float().mean()),
+                                  "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"],
+                                                                                    mask))}),
                        "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
                        "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
                        "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
                        **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)}, **ledger.metrics()}
             history.append(metrics)
-            log.step(it, stats["policy_loss"], int(batch.attention_mask.sum()), **metrics)
+            log.step(it, stats["policy_loss"], int(dp_sum(int(batch.attention_mask.sum()))), **metrics)
             loop.after_step(it + 1, history=history)
     finally:
         actor.close()  # a vLLM engine lets go of its memory before evaluation runs in this process
-    summary = {**log.close(), **optimizer_metrics({"actor_": engines[0], "critic_": engines[1]})}
+        ledger.close()
+    summary = {**log.close(), **optimizer_metrics({"actor_": engines[0], "critic_": engines[1]}), **ledger.summary(),
+               **plan_metrics}
+    for line in ledger.table().splitlines() if ledger.last else ():
+        say(line)
     if not history:
         raise RuntimeError("ppo: every rollout batch was skipped as non-finite; nothing was trained")
     k = max(1, len(history) // 10)
@@ -232,7 +367,8 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                     for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
                                  "entropy")
                     for tag, part in (("first", first), ("last", last))})
-    with m.use("actor"):
-        export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
-               {"value_head": m.shared.head} if m.shared is not None else None)
+    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
+        with m.use("actor"):
+            export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
+                   {"value_head": m.shared.head} if m.shared is not None else None)
     return summary

@@ -15,11 +15,12 @@ from hybridcore.forward import sequence_scores
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
+from hybridcore.parallel import dp_share, dp_sum, is_main
 from stages import data
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
 from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, load_scorer,
-                           optimizer_metrics, seed_all, total_steps, trainer, with_lora)
+                           optimizer_metrics, planned, seed_all, total_steps, trainer, with_lora)
 
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
@@ -48,6 +49,19 @@ def encode_pairs(tok, ds, max_len, what):
     return prompts, chosen, rejected
 
 
+def probe(model, prompts, chosen, rejected, pad_id):
+    """The memory planner's probe: one real micro-step of `rows` copies of the longest pair."""
+    j = max(range(len(prompts)), key=lambda j: len(prompts[j]) + max(len(chosen[j]), len(rejected[j])))
+
+    def micro_step(rows: int) -> None:
+        try:
+            c, r = pair_scores(model, [prompts[j]] * rows, [chosen[j]] * rows, [rejected[j]] * rows, pad_id)
+            (-F.logsigmoid(c - r).mean()).backward()
+        finally:  # also after an out-of-memory error: no gradient may reach the first real step
+            model.zero_grad(set_to_none=True)
+    return micro_step
+
+
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.reward
     seed_all(p.pipeline.seed)
@@ -58,25 +72,29 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     prompts, chosen, rejected = encode_pairs(tok, split.train, cfg.max_seq_len, "data.preferences")
     held = encode_pairs(tok, split.heldout, cfg.max_seq_len, "data.preferences (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "reward.batch_size")
-    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
-                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
-    assert_frozen("reward", {"model": model}, [engine.trained])
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
+    micro, layout, plan_metrics = planned(p, "reward", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
+                                          [model], [q for q in model.parameters() if q.requires_grad],
+                                          probe(model, prompts, chosen, rejected, tok.pad_token_id), sink)
+    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
+                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
+    assert_frozen("reward", {"model": model}, [engine.trained])
     log = StepLog("reward", steps, sink)
     loop = Resumable("reward", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
-    backoff = OomBackoff("reward", cfg.micro_batch_size)
+    backoff = OomBackoff("reward", micro)
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("reward", i)
         correct = [0.0]
+        mine = dp_share(idx)  # this dp rank's pairs; the loss below is divided by the global pair count
 
         def micro_step(s: slice) -> float:
             if s.start == 0:  # a step redone at a smaller micro-batch counts its hits again from zero
                 correct[0] = 0.0
-            rows = idx[s]
+            rows = mine[s]
             c, r = pair_scores(model, [prompts[j] for j in rows], [chosen[j] for j in rows],
                                [rejected[j] for j in rows], tok.pad_token_id)
             loss = -F.logsigmoid(c - r).sum() / len(idx)
@@ -84,7 +102,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             correct[0] += float((c > r).sum())
             return loss.item()
 
-        total = backoff.run(i, len(idx), micro_step, engine.zero_grad)
+        total, correct[0] = dp_sum([backoff.run(i, len(mine), micro_step, engine.zero_grad), correct[0]])
         if finite("reward", i, cfg.on_nonfinite, loss=total):
             norm = engine.step()
             n_tokens = sum(len(prompts[j]) * 2 + len(chosen[j]) + len(rejected[j]) for j in idx)
@@ -94,8 +112,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             engine.zero_grad()
         loop.after_step(i + 1)
     metrics = {**log.close(), **optimizer_metrics({"": engine})}
-    metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, cfg.micro_batch_size))
+    metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, micro), **plan_metrics)
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    export(p, "reward", model, peft, tok, out)
+    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
+        export(p, "reward", model, peft, tok, out)
     return metrics

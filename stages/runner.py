@@ -1,7 +1,8 @@
 """Run one stage against the artifact store: a verified artifact is a cache hit, otherwise the stage
 runs into a staging folder that is published atomically with its manifest.
 
-No Prefect here: tests, the flow's tasks and (later) distributed launchers all call `run_stage`.
+No Prefect here: tests, the flow's tasks and the CLI all call `run_stage`; a layout of several processes
+runs the stage as a torchrun job from here (stages/launch.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional, Protocol
 
 from hybridcore.artifacts import artifact_dir, publish, read_verified, stage_lock, staging_dir
 from hybridcore.interrupts import graceful_stop
+from stages import launch
 from stages.keys import INPUTS, code_version, stage_params
 from stages.params import Params
 
@@ -66,6 +68,9 @@ def run_stage(params: Params, stage: str, keys: dict[str, str], sink: Optional[S
         inputs[dep] = Path(dep_hit.artifact)
     module = importlib.import_module(f"stages.{stage}")
     root = params.pipeline.artifacts_dir
+    if launch.distributed(params, stage) and launch.Nodes.from_env().node_rank > 0:  # node 0 locks and publishes
+        tmp = artifact_dir(root, stage, key).with_name(f"{key}.partial")
+        return launch.run_other_node(params, stage, inputs, tmp, lambda: cached_result(params, stage, key))
     with stage_lock(root, stage, key, on_wait=lambda path: print(f"{stage}: another run is building {key}; "
                                                                    f"waiting for it (lock {path})", flush=True)):
         if not force and (hit := cached_result(params, stage, key)) is not None:
@@ -73,7 +78,10 @@ def run_stage(params: Params, stage: str, keys: dict[str, str], sink: Optional[S
         tmp = staging_dir(root, stage, key)
         t0 = time.time()
         with graceful_stop():
-            metrics = module.run(params, inputs, tmp, sink or NullSink())
+            if launch.distributed(params, stage):  # several processes: a torchrun job, rank 0 reports
+                metrics = launch.run_ranks(params, stage, inputs, tmp, sink or NullSink())
+            else:
+                metrics = module.run(params, inputs, tmp, sink or NullSink())
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         manifest = {"stage": stage, "key": key, "params": stage_params(params, stage),
                     "inputs": {d: keys[d] for d in INPUTS[stage]}, "code_version": code_version(stage),

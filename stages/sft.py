@@ -15,10 +15,11 @@ from hybridcore.forward import response_nll
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
+from hybridcore.parallel import dp_share, dp_sum, is_main
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
 from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, export, finite,
-                           optimizer_metrics, seed_all, total_steps, trainer, with_lora)
+                           optimizer_metrics, planned, seed_all, total_steps, trainer, with_lora)
 
 
 def token_losses(model, batch):
@@ -41,6 +42,20 @@ def evaluate(model, prompts, responses, pad_id, micro: int) -> dict:
     return {"heldout_loss": loss_sum / n, "heldout_token_accuracy": hits / n}
 
 
+def probe(model, prompts, responses, pad_id):
+    """The memory planner's probe: one real micro-step (forward + backward) of `rows` copies of the longest row."""
+    j = max(range(len(prompts)), key=lambda j: len(prompts[j]) + len(responses[j]))
+
+    def micro_step(rows: int) -> None:
+        try:
+            batch = pack([prompts[j]] * rows, [responses[j]] * rows, pad_id, model.device)
+            loss, _ = token_losses(model, batch)
+            ((loss * batch.response_mask).sum() / batch.response_mask.sum()).backward()
+        finally:  # also after an out-of-memory error: no gradient may reach the first real step
+            model.zero_grad(set_to_none=True)
+    return micro_step
+
+
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.sft
     seed_all(p.pipeline.seed)
@@ -51,23 +66,27 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     h_prompts, h_responses = encode(tok, split.heldout["prompt"], split.heldout["response"], cfg.max_seq_len,
                                     "data.sft (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
-    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
-                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=cfg.micro_batch_size)
-    assert_frozen("sft", {"model": model}, [engine.trained])
     set_activation_checkpointing(model, p.engine.activation_checkpointing)
     model.train()
+    micro, layout, plan_metrics = planned(p, "sft", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
+                                          [model], [q for q in model.parameters() if q.requires_grad],
+                                          probe(model, prompts, responses, tok.pad_token_id), sink)
+    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
+                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
+    assert_frozen("sft", {"model": model}, [engine.trained])
     log = StepLog("sft", steps, sink)
     loop = Resumable("sft", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
-    backoff = OomBackoff("sft", cfg.micro_batch_size)
+    backoff = OomBackoff("sft", micro)
     for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("sft", i)
-        n_tokens = sum(len(responses[j]) for j in idx)
+        n_tokens = sum(len(responses[j]) for j in idx)  # over the global batch: the ranks' gradients sum to dp=1's
+        mine = dp_share(idx)  # this dp rank's rows of it
 
         def micro_step(s: slice) -> float:
-            rows = idx[s]
+            rows = mine[s]
             batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id, model.device)
             loss, _ = token_losses(model, batch)
             loss = (loss * batch.response_mask).sum() / n_tokens
@@ -76,16 +95,17 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             engine.backward(loss)
             return loss.item()
 
-        total = backoff.run(i, len(idx), micro_step, engine.zero_grad)
+        total = dp_sum(backoff.run(i, len(mine), micro_step, engine.zero_grad))
         if finite("sft", i, cfg.on_nonfinite, loss=total):
             norm = engine.step()
             log.step(i, total, n_tokens, lr=engine.lr, grad_norm=norm, micro_batch=backoff.micro_batch)
         else:
             engine.zero_grad()
         loop.after_step(i + 1)
-    metrics = {**log.close(), **optimizer_metrics({"": engine})}
-    metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, cfg.micro_batch_size))
+    metrics = {**log.close(), **optimizer_metrics({"": engine}), **plan_metrics}
+    metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, micro))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    export(p, "actor", model, peft, tok, out)
+    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
+        export(p, "actor", model, peft, tok, out)
     return metrics

@@ -40,9 +40,9 @@ def test_impossible_layouts_are_refused_in_one_line(layout, message):
     assert not isinstance(e.value, NotYetSupported) and "\n" not in str(e.value)
 
 
-def test_tensor_parallel_is_not_yet_supported():
-    with pytest.raises(NotYetSupported, match=r"engine.layout.tp=2 .*#8"):
-        parallel.validate(Layout(dp=2, tp=2))
+def test_tensor_parallel_with_zero_0_to_2_is_accepted():
+    for stage in (0, 1, 2):  # tests/hybridcore/test_tensor_parallel.py runs these
+        parallel.validate(Layout(dp=2, tp=2, zero_stage=stage))
 
 
 def test_rank_grid_tp_varies_fastest():

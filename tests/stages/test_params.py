@@ -1,6 +1,8 @@
 """Unit tests for stages.params: presets, validation messages, overrides, --set parsing, refusals."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -15,6 +17,8 @@ from stages.params import (
     resolve_preset,
     stage_list,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _error(overrides: dict, preset: str = "test") -> str:
@@ -379,13 +383,13 @@ def test_overrides_model_rejects_wrong_type(value):
 
 
 @pytest.mark.parametrize("overrides, names", [
-    ({"engine": {"memory_budget_gib": 20}}, "engine.memory_budget_gib"),
-    ({"engine": {"layout": {"dp": 2}}}, "engine.layout"),
+    ({"engine": {"layout": {"dp": 2}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"]}}}}},
+     "engine.layout.dp=2 with LoRA"),
     ({"engine": {"layout": {"tp": 2}}}, "engine.layout"),
     ({"engine": {"layout": {"zero_stage": 3, "offload_params": True}}}, "engine.layout.zero_stage=3"),
-    ({"engine": {"layout": {"zero_stage": 2}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8,
+    ({"engine": {"layout": {"zero_stage": 3}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8,
                                                                               "targets": ["q_proj"]}}}}},
-     "engine.layout.zero_stage with LoRA"),
+     "engine.layout.zero_stage=3"),
     ({"engine": {"rollout": {"tp": 2}}}, "engine.rollout"),
 ])
 def test_not_yet_supported_options_are_refused(overrides, names):
@@ -406,7 +410,7 @@ def test_check_supported_accepts_defaults_and_presets():
 
 def test_check_supported_on_a_params_object():
     """check_supported itself refuses an unsupported option set on a Params object."""
-    p = Params.model_validate({"engine": {"memory_budget_gib": 20}})
+    p = Params.model_validate({"engine": {"rollout": {"tp": 2}}})
     with pytest.raises(NotYetSupported, match="not supported yet"):
         check_supported(p)
 
@@ -439,3 +443,22 @@ def test_empty_stage_list_is_input_error():
         return
     with pytest.raises(InputError):
         stage_list(p)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "params").glob("*.yaml")))
+def test_every_shipped_preset_validates_and_is_supported(preset):
+    """Every preset in params/ loads and passes the up-front engine checks (a preset that names a local model
+    folder still needs that folder, which only the run itself checks)."""
+    check_supported(load_params(preset))
+
+
+def test_writeup_preset_keeps_the_writeups_settings():
+    """The verl write-up's recipe, as its readers will look for it: 4-bit, micro-batch 2 x accumulation 4,
+    sequence 2048, memory-efficient attention, ZeRO-1 + CPU offload."""
+    p = load_params("llama3-8b-writeup")
+    assert {getattr(p.engine.roles, r).quantization for r in ("actor", "critic", "reference", "reward")} == {"4bit"}
+    for stage in (p.sft, p.reward):
+        assert (stage.micro_batch_size, stage.batch_size // stage.micro_batch_size, stage.max_seq_len) == (2, 4, 2048)
+    assert (p.ppo.micro_batch_size, p.ppo.minibatch_size // p.ppo.micro_batch_size, p.ppo.max_new_tokens) == (2, 4, 1024)
+    assert p.engine.attention == "sdpa" and p.engine.share_base
+    assert (p.engine.layout.zero_stage, p.engine.layout.offload_optimizer) == (1, True)

@@ -1,0 +1,229 @@
+"""Memory planner: the largest micro-batch whose MEASURED training step fits `engine.memory_budget_gib`.
+
+A stage hands in a probe (its real forward + backward at its longest sequence, for a given number of rows) and
+what it holds outside the step (weights, optimizer states). The planner starts from the write-up's rule of thumb
+(micro ~= budget_GB x 0.6 / (params_B x 2 x 3)), measures, and moves in powers of two (never above the batch) to the
+largest size that fits with a safety margin. Where weights + gradients + optimizer states alone exceed the budget it
+moves the optimizer states to the CPU (ZeRO-2 offload) when it can, and otherwise says what does not fit.
+
+Measuring: on CUDA, torch.cuda.max_memory_allocated over the probe. On the CPU, torch.profiler's memory events:
+every allocation and free of torch's CPU allocator during the probe, summed in time order, whose running maximum is
+the probe's peak of tensor memory above what was held when it started (Python objects, libraries and the
+allocator's own caching are not counted: tensors only, the same quantity the CUDA figure counts).
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from hybridcore.errors import InputError
+
+GIB, MIB = 2 ** 30, 2 ** 20
+MARGIN = 0.10  # of the budget kept free: allocator fragmentation, and buffers the probe does not exercise
+
+
+def rule_of_thumb(budget_gib: float, n_params: int) -> int:
+    """The write-up's starting point: micro_batch ~= budget_GB x 0.6 / (params_B x 2 x 3), at least 1."""
+    params_b = max(n_params, 1) / 1e9
+    return max(1, int(budget_gib * 0.6 / (params_b * 2 * 3)))
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def measure_peak(fn: Callable[[], None], device: torch.device) -> int:
+    """Peak bytes of tensor memory `fn` allocates on `device` above what was allocated when it started."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    if device.type != "cpu":
+        raise InputError(f"engine.memory_budget_gib: the planner measures on cpu or cuda, not {device.type}; "
+                         "expected engine.device cpu or cuda")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()  # negative for a free
+        peak = max(peak, current)
+    return peak
+
+
+def held_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """Bytes of the distinct storages behind the modules' parameters and buffers (a shared base counts once)."""
+    seen: dict[tuple, int] = {}
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            s = t.untyped_storage()
+            seen[(t.device.type, t.device.index, s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(trained: Iterable[torch.Tensor], zero_stage: int, offload: bool) -> int:
+    """AdamW's states kept on the device: torch keeps two moments in the parameters' dtype; ZeRO keeps two fp32
+    moments and an fp32 master copy (one process: the whole of them); offloaded, none stay on the device."""
+    if offload:
+        return 0
+    params = list(trained)
+    if zero_stage == 0:
+        return sum(2 * p.numel() * p.element_size() for p in params)
+    return sum(12 * p.numel() for p in params)
+
+
+@dataclass
+class Plan:
+    """What the planner chose and what it measured (total = held + the probe's peak, in bytes, per size tried)."""
+    micro_batch: int
+    probe_peak_bytes: int
+    held_bytes: int
+    budget_bytes: int
+    offload_optimizer: bool = False
+    tried: dict[int, int] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {"planned_micro_batch": float(self.micro_batch), "planned_probe_peak_mib": self.probe_peak_bytes / MIB,
+                "planned_offload_optimizer": float(self.offload_optimizer)}
+
+    def line(self, stage: str, configured: int) -> str:
+        tried = ", ".join(f"{k}: {v / MIB:.1f}" for k, v in sorted(self.tried.items()))
+        return (f"{stage}: memory planner chose micro-batch {self.micro_batch} (configured {configured}) for a budget "
+                f"of {self.budget_bytes / GIB:.3g} GiB: held {self.held_bytes / MIB:.1f} MiB + step peak "
+                f"{self.probe_peak_bytes / MIB:.1f} MiB measured (MiB in total per size tried: {tried}; "
+                f"{MARGIN:.0%} kept free)" + ("; optimizer states offloaded to the CPU" if self.offload_optimizer
+                                                else ""))
+
+
+def choose_offload(stage: str, budget_gib: float, weights: int, grads: int, optimizer: int, zero_capable: bool,
+                   device_type: str) -> bool:
+    """Whether the optimizer states must leave the device (True), or nothing needs to (False); an InputError naming
+    what does not fit, and by how much, when neither works."""
+    usable = budget_gib * GIB * (1 - MARGIN)
+    field_ = f"engine.memory_budget_gib={budget_gib:g}"
+    if weights > usable:
+        raise InputError(f"{field_}: the {stage} stage's weights alone take {weights / GIB:.3g} GiB, "
+                         f"{(weights - usable) / GIB:.3g} GiB more than the {usable / GIB:.3g} GiB usable "
+                         f"({MARGIN:.0%} kept free); expected a budget of at least "
+                         f"{weights / (1 - MARGIN) / GIB:.3g} GiB, or quantised roles")
+    if weights + grads + optimizer <= usable:
+        return False
+    short = (weights + grads + optimizer - usable) / GIB
+    what = (f"{field_}: the {stage} stage's weights + gradients + optimizer states take "
+            f"{(weights + grads + optimizer) / GIB:.3g} GiB, {short:.3g} GiB over the {usable / GIB:.3g} GiB usable")
+    if weights + grads > usable:
+        raise InputError(f"{what}, and without the optimizer states still {(weights + grads - usable) / GIB:.3g} "
+                         f"GiB over; expected a larger budget, LoRA or quantised roles")
+    if device_type == "cpu":
+        raise InputError(f"{what}; offloading the optimizer states to the CPU frees nothing when the device is "
+                         f"the CPU; expected a larger budget or LoRA")
+    if not zero_capable:
+        raise InputError(f"{what}; the optimizer states would fit on the CPU, but that needs DeepSpeed ZeRO in one "
+                         f"process (deepspeed installed, engine.layout dp=1 tp=1); expected that, or a larger budget")
+    return True
+
+
+def plan_micro_batch(stage: str, budget_gib: float, batch_size: int, n_params: int, held: int,
+                     probe: Callable[[int], None], device, offload_optimizer: bool = False) -> Plan:
+    """The largest power-of-two micro-batch (at most batch_size) whose measured step, on top of `held` bytes,
+    fits the budget less the margin. probe(rows) runs one real micro-step and leaves no gradients behind."""
+    budget = int(budget_gib * GIB)
+    usable = budget * (1 - MARGIN)
+    cap = _pow2_floor(batch_size)
+    plan = Plan(0, 0, held, budget, offload_optimizer)
+
+    def fits(size: int) -> bool:
+        try:
+            with torch.random.fork_rng(devices=[]):  # the probe must not move the run's random streams
+                peak = measure_peak(lambda: probe(size), device)
+        except torch.OutOfMemoryError:
+            peak = budget  # did not fit at all (the probe dropped its gradients); let go of what it left cached
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        plan.tried[size] = held + peak
+        if held + peak <= usable:
+            plan.micro_batch, plan.probe_peak_bytes = size, peak
+            return True
+        return False
+
+    size = min(cap, _pow2_floor(rule_of_thumb(budget_gib, n_params)))
+    if fits(size):
+        while size * 2 <= cap and fits(size * 2):
+            size *= 2
+        return plan
+    while size > 1:
+        size //= 2
+        if fits(size):
+            return plan
+    raise InputError(f"engine.memory_budget_gib={budget_gib:g}: one row of the {stage} stage's step needs "
+                     f"{plan.tried[1] / GIB:.3g} GiB measured (held {held / GIB:.3g} GiB + step "
+                     f"{(plan.tried[1] - held) / GIB:.3g} GiB), more than the {usable / GIB:.3g} GiB usable; "
+                     f"expected a budget of at least {plan.tried[1] / (1 - MARGIN) / GIB:.3g} GiB, a shorter "
+                     f"max_seq_len or activation checkpointing")
+
+
+def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a static KV cache for `rows` sequences of `length` tokens (hybridcore/rollout.py StaticKVCache)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * rows * kv_heads * length * head_dim * dtype.itemsize
+
+
+def choose_rollout_offload(budget_gib: float, held: int, actor_optimizer: int, kv_cache: int) -> bool:
+    """Whether PPO's actor must move its optimizer states off the device while it rolls out (the rollout holds the
+    weights, those states and the KV cache; the update does not hold the KV cache); an InputError if even then
+    the KV cache does not fit. held: weights + every optimizer state on the device."""
+    usable = budget_gib * GIB * (1 - MARGIN)
+    if held + kv_cache <= usable:
+        return False
+    if held - actor_optimizer + kv_cache <= usable:
+        return True
+    over = (held - actor_optimizer + kv_cache - usable) / GIB
+    raise InputError(f"engine.memory_budget_gib={budget_gib:g}: PPO's rollout needs a {kv_cache / GIB:.3g} GiB KV "
+                     f"cache on top of {(held - actor_optimizer) / GIB:.3g} GiB of weights and critic optimizer "
+                     f"states, {over:.3g} GiB over the {usable / GIB:.3g} GiB usable even with the actor's optimizer "
+                     f"states offloaded; expected a larger budget, or a smaller ppo.rollout_batch_size or "
+                     f"ppo.max_new_tokens")
+
+
+def zero_capable(layout) -> bool:
+    """DeepSpeed can take the optimizer states to the CPU here: installed, and one process."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return layout.dp * layout.tp == 1
+
+
+def plan_stage(stage: str, budget_gib: float, batch_size: int, configured: int, models: Iterable[torch.nn.Module],
+               trained: Iterable[torch.Tensor], layout, device, probe: Callable[[int], None],
+               say: Callable[[str], None]):
+    """(Plan, layout to train with) for one stage: offload if needed, then the measured micro-batch; one line said."""
+    from dataclasses import replace
+
+    from hybridcore.parallel import Layout
+
+    layout, models, trained = Layout.of(layout), list(models), list(trained)
+    weights = held_bytes(models)
+    grads = sum(p.numel() * p.element_size() for p in trained)
+    optimizer = optimizer_state_bytes(trained, layout.zero_stage, layout.offload_optimizer)
+    if choose_offload(stage, budget_gib, weights, grads, optimizer, zero_capable(layout), torch.device(device).type):
+        layout = replace(layout, zero_stage=max(layout.zero_stage, 2), offload_optimizer=True)
+        optimizer = 0
+    n_params = sum(p.numel() for p in {id(q): q for m in models for q in m.parameters()}.values())
+    plan = plan_micro_batch(stage, budget_gib, batch_size, n_params, weights + optimizer, probe, device,
+                            layout.offload_optimizer)
+    say(plan.line(stage, configured))
+    return plan, layout
