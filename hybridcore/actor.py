@@ -23,12 +23,15 @@ from hybridcore.tensor_parallel import tp_state
 class HybridActor:
     def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
                  optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False,
-                 backend_options: dict | None = None, groups=None, rollout_tp: int | None = None):
+                 backend_options: dict | None = None, groups=None, rollout_tp: int | None = None,
+                 train_engine=None):
         """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
         baseline) or "vllm" (an in-process vLLM engine synced on entry; the extra); backend_options are its
         constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout.
         A tensor-parallel model (tensor_parallel.split_model) needs `groups` (parallel.init's) and is regrouped
-        into `rollout_tp` (default: its training tp) for each rollout; every rank constructs the actor."""
+        into `rollout_tp` (default: its training tp) for each rollout; every rank constructs the actor.
+        train_engine: the zero.TrainEngine that trains `model`; under ZeRO-3 its partitioned parameters are gathered
+        in place for each rollout and re-partitioned after (every dp rank rolls out together)."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.model, self.tokenizer = model, tokenizer
@@ -37,6 +40,15 @@ class HybridActor:
         self.backend = make_backend(backend, model, **(backend_options or {}))
         self.optimizer, self.offload_optimizer = optimizer, offload_optimizer
         self.resharder = None
+        self.zero3 = None
+        if train_engine is not None and train_engine.ds is not None and train_engine.layout.zero_stage == 3:
+            if train_engine.module is not model:
+                raise ValueError("train_engine must be the engine that trains this actor's model")
+            if backend == "vllm":
+                raise NotYetSupported("engine.rollout.backend=vllm under ZeRO-3",
+                                      "the 3D sharding issue (#8): use the native backend")
+            self.zero3 = train_engine
+        self._gathered = None
         if tp_state(model).size > 1:
             if groups is None:
                 raise ValueError("a tensor-parallel model needs the process groups (groups=parallel.init(...))")
@@ -124,16 +136,23 @@ class HybridActor:
     def _gather_weights(self) -> None:
         """Where the training layout becomes the rollout layout, in place. Today weights are whole tensors on
         one device and nothing moves. ZeRO-3 gathers its partitioned parameters here (and `_release_weights`
-        re-partitions them); tensor parallelism regroups training shards into the rollout's tp size here.
+        re-partitions them; the bytes gathered go to last_transition_bytes["zero3_gathered"]); tensor parallelism
+        regroups training shards into the rollout's tp size here.
         Both must leave `self.model`'s parameters as the tensors the backend reads, so no copy is kept."""
         if self.resharder is not None:
             self.resharder.enter()
             self.last_transition_bytes["reshard_peak"] = self.resharder.peak_bytes
+        if self.zero3 is not None:
+            self._gathered = contextlib.ExitStack()
+            self.last_transition_bytes["zero3_gathered"] = self._gathered.enter_context(self.zero3.gathered())
 
     def _release_weights(self) -> None:
         """The inverse of `_gather_weights`, run after the backend has freed its cache."""
         if self.resharder is not None:
             self.resharder.exit()
+        if self._gathered is not None:
+            self._gathered, gathered = None, self._gathered
+            gathered.close()  # re-partitions: each rank keeps only its shard again
 
     # -------------------------------------------------------------------------------- optimizer offload
 

@@ -220,11 +220,15 @@ def dp_mean(values):
     return total / dp if not isinstance(total, list) else [v / dp for v in total]
 
 
-def dp_any(flag: bool) -> bool:
-    """True on every rank if it is true on any (a stop request must be seen by all ranks at the same step)."""
-    if current().layout.dp == 1:
+def any_rank(flag: bool) -> bool:
+    """True on every rank of the job if it is true on any: over the whole world, not only the dp group, since a
+    rank's tp peers must stop (and checkpoint, collectively) after the same step too."""
+    g = current()
+    if g.world == 1:
         return flag
-    return dp_sum(1.0 if flag else 0.0) > 0
+    t = torch.tensor([1.0 if flag else 0.0], device=g.device)
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
 
 
 def barrier() -> None:

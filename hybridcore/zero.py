@@ -7,6 +7,7 @@ betas (0.9, 0.95), decay only on >= 2-D parameters, clipping at max_grad_norm, a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -209,6 +210,43 @@ class TrainEngine:
         self.ds.zero_grad()
         return float(norm) if norm is not None else float("nan")
 
+    def forward(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) as a training forward: under ZeRO-3 run as the DeepSpeed engine's own forward (the
+        stages' helpers call the model's parts, base_model and the LM head in chunks, not its root forward), so
+        that ZeRO-3 counts the micro-step (else each micro-batch's gradient partition overwrites the last), resets
+        its fetch trace and runs its backward prologue. Elsewhere it is just the call."""
+        if self.ds is None or self.layout.zero_stage != 3:
+            return fn(*args, **kwargs)
+        module = self.ds.module
+        module.forward = lambda: fn(*args, **kwargs)  # an instance attribute shadows the class's forward
+        try:
+            return self.ds()
+        finally:
+            del module.forward
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """ZeRO-3: every parameter whole on this rank's device inside the block (with offload_params, fetched from
+        the CPU), with ZeRO-3's module hooks off so forwards read them as they are rather than gathering and
+        releasing per layer; re-partitioned after, freeing the gathered memory. Yields the bytes gathered (0 when
+        nothing is partitioned). All dp ranks must enter it together (an all-gather)."""
+        if self.ds is None or self.layout.zero_stage != 3:
+            yield 0
+            return
+        import deepspeed
+
+        params = list(self.module.parameters())
+        nbytes = sum(p.ds_numel * p.element_size() for p in params)
+        offload = self.ds.optimizer.parameter_offload
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for hook in offload.forward_hooks + offload.backward_hooks:  # as deepspeed's unwrap_model_for_generation
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield nbytes
+            finally:
+                offload._register_deepspeed_module(offload.module)
+
     def zero_grad(self) -> None:
         """Drop the gradients accumulated so far in this step (a skipped or redone step)."""
         if self.ds is None:
@@ -228,11 +266,7 @@ class TrainEngine:
             return consolidated_state_dict(self.module, self.groups)
         if self.layout.zero_stage != 3:
             return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        import deepspeed
-
-        params = list(self.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        return zero3_state_dict(self.module)
 
     @property
     def lr(self) -> float:
@@ -325,6 +359,20 @@ class TrainEngine:
         stor = _storages(self.held_tensors()["optimizer"])
         device = sum(b for b, kind in stor.values() if kind != "cpu")
         return {"device": device, "cpu": sum(b for b, kind in stor.values() if kind == "cpu")}
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """True when ZeRO-3 partitioned `module`'s parameters (each then carries DeepSpeed's ds_id)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def zero3_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of a ZeRO-3 module whole, as CPU copies; a collective (every dp rank calls it), re-partitioned
+    after. What export writes and TrainEngine.full_state_dict returns."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
 def _reset_partitioned_grads(zo) -> None:

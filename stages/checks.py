@@ -32,6 +32,7 @@ def preflight(p: Params) -> None:
     root = _artifacts_root(p)
     tok, positions, where = _model(p)
     _context(p, positions, where)
+    _tensor_parallel(p)
     n_params = _param_count(p)
     _disk(p, root, n_params)
     _memory(p, n_params)
@@ -104,6 +105,23 @@ def _context(p: Params, positions: Optional[int], where: str) -> None:
         if stage in run and n >= positions:
             raise InputError(f"{stage}.max_new_tokens ({n}) leaves no room for a prompt in the model's context "
                              f"({positions} positions, {where}); expected fewer than {positions}")
+
+
+def _tensor_parallel(p: Params) -> None:
+    """engine.layout.tp divides the model's heads, kv heads and MLP width (read from its config, no weights)."""
+    tp = p.engine.layout.tp
+    if tp == 1:
+        return
+    from types import SimpleNamespace
+
+    from hybridcore.models import PRESETS, read_config
+    from hybridcore.tensor_parallel import check_divisible
+    config = dict(PRESETS[p.model.preset]) if p.model.path is None else read_config(p.model.path)
+    missing = [k for k in ("num_attention_heads", "intermediate_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise InputError(f"engine.layout.tp={tp}: the model's config has no {' or '.join(missing)}; expected a "
+                         f"decoder config naming them (tensor parallelism splits heads and the MLP)")
+    check_divisible(SimpleNamespace(**config), tp)
 
 
 def _param_count(p: Params) -> int:

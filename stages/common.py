@@ -58,6 +58,12 @@ def role_precision(p, role: str) -> str:
     return getattr(p.engine.roles, role).precision or p.engine.precision
 
 
+def checkpointing(p, role: str) -> bool:
+    """Whether a trained role recomputes its activations in backward (engine.roles.<role>, else engine's)."""
+    own = getattr(p.engine.roles, role).activation_checkpointing
+    return p.engine.activation_checkpointing if own is None else own
+
+
 def quant_field(role: str) -> str:
     return f"engine.roles.{role}.quantization"
 
@@ -93,13 +99,49 @@ def with_lora(p, model, role: str, keep_trainable: tuple[str, ...] = ()):
     return model, peft
 
 
+def tp_split(p, model):
+    """This rank's tensor-parallel shard of `model` when engine.layout.tp > 1 (every rank loaded the same weights;
+    attention and MLP linears split Megatron-style over the tp group, the rest kept whole); else `model` itself."""
+    tp = p.engine.layout.tp
+    if tp == 1:
+        return model
+    from hybridcore import parallel
+    from hybridcore.tensor_parallel import split_model
+    g = parallel.current()
+    if g.layout.tp != tp:
+        raise RuntimeError(f"engine.layout.tp={tp} but this process runs in a layout of tp={g.layout.tp}: a "
+                           f"tensor-parallel stage runs as a torchrun job (stages/launch.py)")
+    return split_model(model, g.tp_group, tp, g.tp_rank)
+
+
 def checkpointed(model, peft):
     """What a step checkpoint holds of a model: all of it, or with adapters only the trained parameters."""
     return model if peft is None else TrainableState.of(model)
 
 
 def export(p, role: str, model, peft, tok, out: Path, adapter: str = "default", extra: Optional[dict] = None) -> None:
-    """model/ as a plain HF folder (adapters merged, quantisation not baked in); adapter/ when adapters exist."""
+    """model/ as a plain HF folder (adapters merged, quantisation not baked in); adapter/ when adapters exist.
+    Call it on every rank: one writer (global rank 0); a tensor-parallel model's shards are gathered to it first
+    (every rank of data-parallel replica 0 takes part), so the artifact is one whole HF folder whatever the layout."""
+    from hybridcore.parallel import current
+    from hybridcore.tensor_parallel import consolidated_state_dict, split_size
+    if split_size(model) > 1:  # LoRA and quantisation are refused with tp > 1 (stages/params.py)
+        state = consolidated_state_dict(model, current())
+        if state is not None:
+            (out / "model").mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out / "model", state_dict=dict(state), safe_serialization=True)  # a copy: emptied
+            tok.save_pretrained(out / "model")
+        return
+    from hybridcore.zero import is_partitioned, zero3_state_dict
+    if is_partitioned(model):  # ZeRO-3 (full fine-tunes only): every rank takes part in the gather
+        state = zero3_state_dict(model)
+        if current().is_main:
+            (out / "model").mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out / "model", state_dict=state, safe_serialization=True)
+            tok.save_pretrained(out / "model")
+        return
+    if not current().is_main:  # ZeRO-1/2 keep the whole weights on every rank
+        return
     if peft is None:
         save_model(model, tok, out / "model")
         return
@@ -183,12 +225,14 @@ def finite(stage: str, step: int, policy: str, **values) -> bool:
 def trainer(p, model, *, lr: float, steps: int, warmup_ratio: float, min_lr_ratio: float, max_grad_norm: float,
             micro_batch: int, weight_decay: float = 0.0, layout=None):
     """`model`'s optimizer, schedule and step as engine.layout says (or `layout`, when the memory planner turned on
-    offload): plain torch AdamW, or DeepSpeed ZeRO-1/2 (optimizer states optionally on the CPU) in this process."""
-    from hybridcore.parallel import Layout
+    offload): plain torch AdamW, or DeepSpeed ZeRO-1/2 (optimizer states optionally on the CPU), over this process's
+    dp and tp groups (a tp-split `model` is clipped and checkpointed per tp shard)."""
+    from hybridcore.parallel import Layout, current
     from hybridcore.zero import TrainEngine
     return TrainEngine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
                        max_grad_norm=max_grad_norm, weight_decay=weight_decay,
-                       layout=Layout.of(layout if layout is not None else p.engine.layout), micro_batch=micro_batch)
+                       layout=Layout.of(layout if layout is not None else p.engine.layout), micro_batch=micro_batch,
+                       groups=current())
 
 
 def planned(p, stage: str, batch_size: int, configured: int, models, trained, probe, sink):
@@ -206,8 +250,9 @@ def planned(p, stage: str, batch_size: int, configured: int, models, trained, pr
 
 def checkpoint_parts(engines: dict, models: dict) -> tuple[dict, dict, dict]:
     """(models, stateful, engines) for Resumable, engines keyed by a name prefix: plain torch checkpoints the
-    models' weights and each optimizer and schedule; DeepSpeed engines write their own files, weights included."""
-    if all(e.ds is None for e in engines.values()):
+    models' weights and each optimizer and schedule; DeepSpeed engines, and tensor-parallel ones (each tp rank holds
+    other shards), write their own files per rank, weights included."""
+    if all(e.ds is None and e.layout.tp == 1 for e in engines.values()):
         stateful = {}
         for prefix, e in engines.items():
             stateful.update({f"{prefix}optimizer": e.optimizer, f"{prefix}schedule": e.scheduler})
@@ -216,12 +261,14 @@ def checkpoint_parts(engines: dict, models: dict) -> tuple[dict, dict, dict]:
 
 
 def optimizer_metrics(engines: dict) -> dict[str, float]:
-    """Optimizer-state MiB each engine keeps on the accelerator and on the CPU (measured from the tensors held)."""
+    """Optimizer-state MiB each engine keeps on the accelerator and on the CPU, and the trained weights' MiB this
+    rank holds (its tensor-parallel shards plus what stays whole), measured from the tensors held."""
     out = {}
     for prefix, e in engines.items():
         held = e.optimizer_bytes()
         out[f"{prefix}optimizer_device_mib"] = held["device"] / 2**20
         out[f"{prefix}optimizer_cpu_mib"] = held["cpu"] / 2**20
+        out[f"{prefix}params_mib"] = e.held_bytes()["params"] / 2**20  # ZeRO-3: its partitions
     return out
 
 
@@ -245,8 +292,8 @@ class Resumable:
         return step, state
 
     def after_step(self, done: int, **state) -> None:
-        from hybridcore.parallel import dp_any
-        stop = dp_any(stop_requested())  # every rank stops after the same step (the checkpoint is collective)
+        from hybridcore.parallel import any_rank
+        stop = any_rank(stop_requested())  # every rank stops after the same step (the checkpoint is collective)
         if self.ckpt.due(done) or stop:
             self.ckpt.save(done, self.models, self.stateful, {"log": self.log.state(), **state}, self.engines)
         if stop:

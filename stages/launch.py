@@ -97,9 +97,10 @@ def check_devices(params, per_node: int) -> None:
     import torch
     if not torch.cuda.is_available():
         return
-    dp = params.engine.layout.dp
+    dp, tp = params.engine.layout.dp, params.engine.layout.tp
     if params.engine.device == "cpu":
-        raise InputError(f"engine.device: cpu with engine.layout.dp={dp} on a machine with GPUs: the ranks "
+        what = f"engine.layout.dp={dp}" if tp == 1 else f"engine.layout dp={dp} x tp={tp}"
+        raise InputError(f"engine.device: cpu with {what} on a machine with GPUs: the ranks "
                          f"reduce over NCCL, which needs GPU tensors; expected auto or cuda")
     if per_node > torch.cuda.device_count():
         raise InputError(f"engine.layout: {per_node} ranks on this node but torch sees "

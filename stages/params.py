@@ -180,6 +180,7 @@ class Role(_Section):
     quantization: Literal["none", "8bit", "4bit"] = "none"  # bitsandbytes; 4bit = NF4 + double quantisation
     lora: Optional[Lora] = None             # {rank, alpha, targets}; a quantised trained role needs it (QLoRA)
     offload: bool = False                   # reward, reference: weights on the CPU, on the device only to score
+    activation_checkpointing: Optional[bool] = None  # trained roles; null = engine.activation_checkpointing
 
 
 class Roles(_Section):
@@ -353,27 +354,27 @@ def check_supported(p: Params) -> None:
     e = p.engine
     check_roles(p)
     check_layout(p)
-    if e.rollout.tp != 1:
-        raise NotYetSupported("engine.rollout.tp other than 1", "the 3D sharding issue (#8)")
+    if e.layout.tp % e.rollout.tp:
+        raise InputError(f"engine.rollout.tp: found {e.rollout.tp}, expected a divisor of engine.layout.tp="
+                         f"{e.layout.tp} (the rollout regroups the training shards into fewer, larger ones)")
 
 
 def check_layout(p: Params) -> None:
     """What the stages run today: one process, plain AdamW or DeepSpeed ZeRO-1/2 (optimizer states optionally on
-    CPU) for full fine-tunes, in one process or as a torchrun job of dp ranks (tp=1). Tensor-parallel stages and
-    ZeRO-3 (the stages' forwards through DeepSpeed's engine) are #8. ZeRO-1/2 also train LoRA adapters over a frozen
-    (4/8-bit or shared) base in one process."""
+    CPU) for full fine-tunes, in one process or as a torchrun job of dp x tp ranks (tp: Megatron-style splits of
+    the native model's linears). ZeRO-3 (parameters optionally on the CPU) with tp=1 for full fine-tunes. ZeRO-1/2
+    also train LoRA adapters over a frozen (4/8-bit or shared) base in one process."""
     e, lay = p.engine, p.engine.layout
     if lay == Layout():
         return
     from hybridcore.parallel import Layout as Plain, validate  # torch: only when a layout is asked for
     validate(Plain.of(lay))
     if lay.tp > 1:
-        raise NotYetSupported(f"engine.layout.tp={lay.tp} in the stages (tensor-parallel stages)",
-                              "the 3D sharding issue (#8)")
+        check_tensor_parallel(p)
     if lay.dp > 1:
         check_data_parallel(p)
     if lay.zero_stage == 3:
-        raise NotYetSupported("engine.layout.zero_stage=3 in the stages", "the 3D sharding issue (#8)")
+        check_zero3(p)
     if lay.zero_stage == 0:
         return
     # ZeRO-1/2 over LoRA adapters (+ a value head) on a frozen, possibly quantised or shared base: DeepSpeed sees
@@ -384,6 +385,39 @@ def check_layout(p: Params) -> None:
 
 
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO
+
+
+def check_zero3(p: Params) -> None:
+    """ZeRO-3 (tp=1; validate() refuses tp > 1): full fine-tunes whose training forwards run through DeepSpeed's
+    engine, rolled out by the native backend from parameters gathered in place (hybridcore/actor.py)."""
+    e = p.engine
+    roles = [getattr(e.roles, r) for r in TRAINED]
+    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
+        raise NotYetSupported("engine.layout.zero_stage=3 with LoRA, quantised roles or share_base (ZeRO-3 would "
+                              "partition the frozen base the adapters' forwards read whole)",
+                              "the 3D sharding issue (#8)")
+    if e.rollout.backend != "native":
+        raise NotYetSupported(f"engine.layout.zero_stage=3 with engine.rollout.backend={e.rollout.backend}",
+                              "the 3D sharding issue (#8): use the native backend")
+    if e.memory_budget_gib is not None:
+        raise NotYetSupported("engine.layout.zero_stage=3 with engine.memory_budget_gib (the planner's probe runs "
+                              "on whole parameters)", "the memory issue (#5)")
+
+
+def check_tensor_parallel(p: Params) -> None:
+    """tp > 1: full fine-tunes of plain nn.Linear layers (hybridcore/tensor_parallel.py splits those only) with the
+    native rollout; the model's heads and widths are checked against tp where its config is read (stages/checks.py)."""
+    e, tp = p.engine, p.engine.layout.tp
+    roles = [getattr(e.roles, r) for r in TRAINED]
+    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
+        raise NotYetSupported(f"engine.layout.tp={tp} with LoRA, quantised roles or share_base",
+                              "the 3D sharding issue (#8)")
+    if e.rollout.backend != "native" or e.rollout.offload_optimizer:
+        raise NotYetSupported(f"engine.layout.tp={tp} with engine.rollout.backend={e.rollout.backend} or "
+                              f"engine.rollout.offload_optimizer=true", "the 3D sharding issue (#8)")
+    if e.memory_budget_gib is not None:  # each rank would probe on its own, out of step with its tp peers
+        raise NotYetSupported(f"engine.layout.tp={tp} with engine.memory_budget_gib (the planner across ranks)",
+                              "the 3D sharding issue (#8)")
 
 
 def check_data_parallel(p: Params) -> None:
@@ -424,6 +458,12 @@ def check_roles(p: Params) -> None:
         if getattr(e.roles, role).offload:
             raise InputError(f"engine.roles.{role}.offload: true, but the {role} trains on the device every step; "
                              f"expected false (engine.layout.offload_optimizer moves its optimizer states instead)")
+    if e.roles.reference.activation_checkpointing is not None:
+        raise InputError("engine.roles.reference.activation_checkpointing: the reference policy is never trained "
+                         "(nothing to recompute); expected null")
+    if e.share_base and e.roles.critic.activation_checkpointing not in (None, e.roles.actor.activation_checkpointing):
+        raise InputError("engine.roles.critic.activation_checkpointing: with engine.share_base the critic runs on "
+                         "the actor's layers; expected null or the actor's value")
     if e.share_base and e.roles.reference.offload:
         raise InputError("engine.roles.reference.offload: true, but with engine.share_base the reference is the "
                          "actor's own base; expected false")

@@ -27,14 +27,14 @@ from hybridcore.forward import batched, response_logprobs, response_logprobs_ent
 from hybridcore.errors import say
 from hybridcore.freezing import TrainableState, assert_frozen
 from hybridcore.ledger import MemoryLedger
-from hybridcore.models import DTYPES, load_tokenizer, resident
+from hybridcore.models import DTYPES, load_tokenizer, resident, set_activation_checkpointing
 from hybridcore.oom import OomBackoff
-from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum, is_main
+from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, frozen, load_policy,
-                           load_scorer, lora_spec, optimizer_metrics, planned, role_precision, seed_all, trainer,
-                           with_lora)
+from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, export, finite, frozen,
+                           load_policy, load_scorer, lora_spec, optimizer_metrics, planned, role_precision, seed_all,
+                           tp_split, trainer, with_lora)
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -96,13 +96,14 @@ def load_models(p, inputs: dict[str, Path], tok) -> Models:
         sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
         return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
                       {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb, homes)
-    policy, peft = with_lora(p, load_policy(p, sft, "actor"), "actor")
+    # tp > 1: the trained roles are split over the tp group; reference and reward stay whole (replicated)
+    policy, peft = with_lora(p, tp_split(p, load_policy(p, sft, "actor")), "actor")
     ref = frozen(load_policy(p, sft, "reference"))
     if "reference" in homes:
         ref.to(homes["reference"])
     critic_from = rm_dir if cfg.critic_init == "reward" else sft
-    critic, critic_peft = with_lora(p, load_scorer(p, critic_from, "critic", tok.pad_token_id), "critic",
-                                    keep_trainable=("score",))
+    critic, critic_peft = with_lora(p, tp_split(p, load_scorer(p, critic_from, "critic", tok.pad_token_id)),
+                                    "critic", keep_trainable=("score",))
     return Models(policy, ref, critic, rm,
                   policy if peft is None else TrainableState.of(policy),
                   critic if critic_peft is None else TrainableState.of(critic),
@@ -186,7 +187,7 @@ def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomB
             def actor_step(s: slice) -> float:
                 idx, sub, mask, share = rows(s, ACTOR_STATS)
                 with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
-                    logp, ent = response_logprobs_entropy(m.policy, sub)
+                    logp, ent = engines[0].forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
                     pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx],
                                                              mask, cfg.clip_range)
                     entropy = rl.masked_mean(ent, mask)
@@ -198,7 +199,7 @@ def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomB
             def critic_step(s: slice) -> float:
                 idx, sub, mask, share = rows(s, CRITIC_STATS)
                 with m.use("critic"):
-                    values = response_values(m.critic, sub)
+                    values = engines[1].forward(response_values, m.critic, sub)
                     vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
                     engines[1].backward(vl * share)
                 for k, v in zip(CRITIC_STATS, (vl, vclip)):
@@ -286,6 +287,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
     m.policy.train()
     m.critic.train()
+    set_activation_checkpointing(m.policy, checkpointing(p, "actor"))  # before the planner's probe measures
+    if m.shared is None:  # a shared critic runs on the actor's layers
+        set_activation_checkpointing(m.critic, checkpointing(p, "critic"))
     micro, layout, plan_metrics = planned(
         p, "ppo", cfg.minibatch_size // p.engine.layout.dp, cfg.micro_batch_size, (m.policy, m.ref, m.critic, m.rm),
         [*m.actor_params.parameters(), *m.critic_params.parameters()], probe(m, prompts, cfg.max_new_tokens), sink)
@@ -294,10 +298,12 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                for params, lr in ((m.actor_params, cfg.actor_lr), (m.critic_params, cfg.critic_lr))]
     m.frozen_check([e.trained for e in engines])
     offload = rollout_offload(p, m, layout, prompts, plan_metrics)
-    actor = HybridActor(m.policy, tok, p.engine.activation_checkpointing,
+    actor = HybridActor(m.policy, tok, checkpointing(p, "actor"),
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
-                        backend_options=backend_options(p, prompts))
+                        backend_options=backend_options(p, prompts),
+                        groups=layout_now(), rollout_tp=p.engine.rollout.tp,  # tp peers: same prompts, all responses
+                        train_engine=engines[0])  # ZeRO-3: its parameters gathered for each rollout
     m.policy.train()
     m.critic.train()
     stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
@@ -367,8 +373,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                     for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
                                  "entropy")
                     for tag, part in (("first", first), ("last", last))})
-    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
-        with m.use("actor"):
-            export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
-                   {"value_head": m.shared.head} if m.shared is not None else None)
+    with m.use("actor"):  # every rank: tp shards are gathered, rank 0 writes
+        export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
+               {"value_head": m.shared.head} if m.shared is not None else None)
     return summary

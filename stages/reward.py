@@ -15,12 +15,12 @@ from hybridcore.forward import sequence_scores
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
-from hybridcore.parallel import dp_share, dp_sum, is_main
+from hybridcore.parallel import dp_share, dp_sum
 from stages import data
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
-from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, export, finite, load_scorer,
-                           optimizer_metrics, planned, seed_all, total_steps, trainer, with_lora)
+from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, export, finite,
+                           load_scorer, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
 def pair_scores(model, prompts, chosen, rejected, pad_id):
@@ -66,13 +66,13 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.reward
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
-    model = load_scorer(p, inputs["sft"] / "model", "reward", tok.pad_token_id)
+    model = tp_split(p, load_scorer(p, inputs["sft"] / "model", "reward", tok.pad_token_id))  # score head whole
     model, peft = with_lora(p, model, "reward", keep_trainable=("score",))
     split = data.load("preferences", p)
     prompts, chosen, rejected = encode_pairs(tok, split.train, cfg.max_seq_len, "data.preferences")
     held = encode_pairs(tok, split.heldout, cfg.max_seq_len, "data.preferences (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "reward.batch_size")
-    set_activation_checkpointing(model, p.engine.activation_checkpointing)
+    set_activation_checkpointing(model, checkpointing(p, "reward"))
     model.train()
     micro, layout, plan_metrics = planned(p, "reward", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
                                           [model], [q for q in model.parameters() if q.requires_grad],
@@ -95,8 +95,8 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             if s.start == 0:  # a step redone at a smaller micro-batch counts its hits again from zero
                 correct[0] = 0.0
             rows = mine[s]
-            c, r = pair_scores(model, [prompts[j] for j in rows], [chosen[j] for j in rows],
-                               [rejected[j] for j in rows], tok.pad_token_id)
+            c, r = engine.forward(pair_scores, model, [prompts[j] for j in rows], [chosen[j] for j in rows],
+                                  [rejected[j] for j in rows], tok.pad_token_id)
             loss = -F.logsigmoid(c - r).sum() / len(idx)
             engine.backward(loss)
             correct[0] += float((c > r).sum())
@@ -115,6 +115,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, micro), **plan_metrics)
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
-        export(p, "reward", model, peft, tok, out)
+    export(p, "reward", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
     return metrics

@@ -15,11 +15,11 @@ from hybridcore.forward import response_nll
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
-from hybridcore.parallel import dp_share, dp_sum, is_main
+from hybridcore.parallel import dp_share, dp_sum
 from stages import data
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, export, finite,
-                           optimizer_metrics, planned, seed_all, total_steps, trainer, with_lora)
+from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, checkpointing, export,
+                           finite, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
 def token_losses(model, batch):
@@ -60,13 +60,13 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.sft
     seed_all(p.pipeline.seed)
     tok, model = base_model(p)
-    model, peft = with_lora(p, model, "actor")
+    model, peft = with_lora(p, tp_split(p, model), "actor")
     split = data.load("sft", p)
     prompts, responses = encode(tok, split.train["prompt"], split.train["response"], cfg.max_seq_len, "data.sft")
     h_prompts, h_responses = encode(tok, split.heldout["prompt"], split.heldout["response"], cfg.max_seq_len,
                                     "data.sft (held out)")
     steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
-    set_activation_checkpointing(model, p.engine.activation_checkpointing)
+    set_activation_checkpointing(model, checkpointing(p, "actor"))
     model.train()
     micro, layout, plan_metrics = planned(p, "sft", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
                                           [model], [q for q in model.parameters() if q.requires_grad],
@@ -88,7 +88,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         def micro_step(s: slice) -> float:
             rows = mine[s]
             batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id, model.device)
-            loss, _ = token_losses(model, batch)
+            loss, _ = engine.forward(token_losses, model, batch)  # ZeRO-3 counts its micro-step there
             loss = (loss * batch.response_mask).sum() / n_tokens
             if fault_active("sft", "nan", i):
                 loss = loss * float("nan")
@@ -106,6 +106,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, micro))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    if is_main():  # ZeRO-1/2 keep the whole weights on every rank: one writer
-        export(p, "actor", model, peft, tok, out)
+    export(p, "actor", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
     return metrics

@@ -55,7 +55,14 @@ OVERRIDES = {
         {"data": {"synthetic": {"n_prompts": 8}}},
         ["data.synthetic.n_prompts (8) is smaller than ppo.rollout_batch_size (16)"]),
     "an engine option not built yet": (
-        {"engine": {"rollout": {"tp": 2}}}, ["engine.rollout.tp", "not supported yet", "3D sharding issue"]),
+        {"engine": {"layout": {"tp": 2}, "rollout": {"backend": "vllm"}}},
+        ["engine.layout.tp=2 with engine.rollout.backend=vllm", "not supported yet", "3D sharding issue"]),
+    "a rollout tp that does not divide the training tp": (
+        {"engine": {"layout": {"tp": 2}, "rollout": {"tp": 4}}},
+        ["engine.rollout.tp: found 4", "expected a divisor of engine.layout.tp=2"]),
+    "a tp that does not divide the model's heads": (
+        {"engine": {"layout": {"tp": 4}}},
+        ["engine.layout.tp=4", "num_attention_heads=2", "expected a tp that divides num_attention_heads (2)"]),
 }
 
 

@@ -239,7 +239,8 @@ def test_multi_node_launch_from_the_environment(tmp_path, monkeypatch):
      r"ppo.rollout_batch_size: found 15, expected a multiple of engine.layout.dp=2"),
     ({"engine": {"layout": {"dp": 2}, "rollout": {"backend": "vllm"}}}, NotYetSupported,
      r"engine.layout.dp=2 with engine.rollout.backend=vllm"),
-    ({"engine": {"layout": {"dp": 1, "tp": 2}}}, NotYetSupported, r"engine.layout.tp=2"),
+    ({"engine": {"layout": {"dp": 2, "tp": 2}, "rollout": {"tp": 4}}}, InputError,
+     r"engine.rollout.tp: found 4, expected a divisor of engine.layout.tp=2"),
     ({"engine": {"layout": {"dp": 2}, "memory_budget_gib": 4}}, NotYetSupported,
      r"engine.layout.dp=2 with engine.memory_budget_gib"),
 ])

@@ -385,12 +385,14 @@ def test_overrides_model_rejects_wrong_type(value):
 @pytest.mark.parametrize("overrides, names", [
     ({"engine": {"layout": {"dp": 2}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"]}}}}},
      "engine.layout.dp=2 with LoRA"),
-    ({"engine": {"layout": {"tp": 2}}}, "engine.layout"),
-    ({"engine": {"layout": {"zero_stage": 3, "offload_params": True}}}, "engine.layout.zero_stage=3"),
+    ({"engine": {"layout": {"tp": 2}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"]}}}}},
+     "engine.layout.tp=2 with LoRA"),
+    ({"engine": {"layout": {"zero_stage": 3, "offload_params": True}, "rollout": {"backend": "vllm"}}},
+     "engine.layout.zero_stage=3 with engine.rollout.backend=vllm"),
     ({"engine": {"layout": {"zero_stage": 3}, "roles": {"actor": {"lora": {"rank": 4, "alpha": 8,
                                                                               "targets": ["q_proj"]}}}}},
      "engine.layout.zero_stage=3"),
-    ({"engine": {"rollout": {"tp": 2}}}, "engine.rollout"),
+    ({"engine": {"layout": {"tp": 2}, "rollout": {"backend": "vllm"}}}, "engine.layout.tp=2 with engine.rollout"),
 ])
 def test_not_yet_supported_options_are_refused(overrides, names):
     """Engine options not built yet raise NotYetSupported (an InputError) naming the option."""
@@ -410,7 +412,7 @@ def test_check_supported_accepts_defaults_and_presets():
 
 def test_check_supported_on_a_params_object():
     """check_supported itself refuses an unsupported option set on a Params object."""
-    p = Params.model_validate({"engine": {"rollout": {"tp": 2}}})
+    p = Params.model_validate({"engine": {"layout": {"tp": 2}, "memory_budget_gib": 4}})
     with pytest.raises(NotYetSupported, match="not supported yet"):
         check_supported(p)
 
