@@ -58,6 +58,20 @@ def role_precision(p, role: str) -> str:
     return getattr(p.engine.roles, role).precision or p.engine.precision
 
 
+def check_prompt_room(model, texts: list[str], prompts: list[list[int]], new_tokens: int, field: str,
+                      source: str) -> None:
+    """Every prompt plus `new_tokens` fits the model's positions. The pre-flight check does this when the
+    tokenizer is known up front; with a tokenizer trained by SFT it can only happen here."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None:
+        return
+    for text, a in zip(texts, prompts):
+        if len(a) + new_tokens > positions:
+            raise InputError(f"{source}: the prompt starting {text[:40]!r} is {len(a)} tokens, and with {field}="
+                             f"{new_tokens} that exceeds the model's {positions} positions; expected prompt + "
+                             f"{field} <= {positions} (shorten the prompt or lower {field})")
+
+
 def checkpointing(p, role: str) -> bool:
     """Whether a trained role recomputes its activations in backward (engine.roles.<role>, else engine's)."""
     own = getattr(p.engine.roles, role).activation_checkpointing

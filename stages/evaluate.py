@@ -12,7 +12,7 @@ from hybridcore.batch import encode, micro_batches, pack
 from hybridcore.forward import batched, sequence_scores
 from hybridcore.models import load_tokenizer, resident
 from stages import data
-from stages.common import device, frozen, load_policy, load_scorer, seed_all
+from stages.common import check_prompt_room, device, frozen, load_policy, load_scorer, seed_all
 
 
 @torch.no_grad()
@@ -39,7 +39,11 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     prompts, _ = encode(tok, texts)
     metrics, rows = {"prompts": len(prompts)}, [dict(prompt=t, answer=a) for t, a in zip(texts, gold)]
     for name in ("sft", "ppo"):
-        responses = answers(load_policy(p, inputs[name] / "model", "actor"), tok, prompts, cfg)
+        policy = load_policy(p, inputs[name] / "model", "actor")
+        check_prompt_room(policy, texts, prompts, cfg.max_new_tokens, "evaluate.max_new_tokens",
+                          "data.prompts (held out)")
+        responses = answers(policy, tok, prompts, cfg)
+        del policy  # the next policy loads in its place
         with resident(rm, device(p), home):
             rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id, rm.device),
                               cfg.batch_size)

@@ -32,9 +32,9 @@ from hybridcore.oom import OomBackoff
 from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, export, finite, frozen,
-                           load_policy, load_scorer, lora_spec, optimizer_metrics, planned, role_precision, seed_all,
-                           tp_split, trainer, with_lora)
+from stages.common import (Resumable, StepLog, check_prompt_room, checkpoint_parts, checkpointed, checkpointing,
+                           export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
+                           role_precision, seed_all, tp_split, trainer, with_lora)
 
 
 def prompt_stream(prompts: list[list[int]], size: int, seed: int):
@@ -279,7 +279,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     m = load_models(p, inputs, tok)
     from stages import data  # here, not at the top: bench/memory.py imports this module where datasets is absent
-    prompts, _ = encode(tok, data.load("prompts", p).train["prompt"])
+    texts = data.load("prompts", p).train["prompt"]
+    prompts, _ = encode(tok, texts)
+    check_prompt_room(m.policy, texts, prompts, cfg.max_new_tokens, "ppo.max_new_tokens", "data.prompts")
     if len(prompts) < cfg.rollout_batch_size:
         from hybridcore.errors import InputError
         raise InputError(f"data.prompts: {len(prompts)} prompts is fewer than ppo.rollout_batch_size="

@@ -72,3 +72,25 @@ def test_batches_go_where_the_model_is():
     b = pack([[1, 2], [3]], [[4], [5, 6]], 0, device="meta")
     assert {t.device.type for t in (b.input_ids, b.attention_mask, b.position_ids, b.response_mask)} == {"meta"}
     assert pack([[1, 2]], [[4]], 0).input_ids.device.type == "cpu"
+
+
+def test_prompt_too_long_for_a_tokenizer_trained_by_sft_is_one_line_after_sft(tmp_path):
+    """With a built-in preset the tokenizer exists only after SFT, so the pre-flight check cannot count prompt
+    tokens: PPO does, before any rollout, naming the prompt and the limit; SFT and the RM stay published."""
+    import json
+    import random
+
+    from stages.keys import stage_keys
+    from stages.runner import run_stage
+    rng = random.Random(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(str(rng.randrange(10)) for _ in range(600))}) + "\n"
+                               for _ in range(20)))
+    p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path / "art")},
+                             "data": {"prompts": {"path": str(prompts)}}})
+    keys = stage_keys(p)
+    done = [run_stage(p, s, keys) for s in ("sft", "reward")]
+    with pytest.raises(InputError, match=r"^data.prompts: the prompt starting '\d \d \d.*' is \d+ tokens, and with "
+                                         r"ppo.max_new_tokens=\d+ that exceeds the model's 256 positions"):
+        run_stage(p, "ppo", keys)
+    assert all(run_stage(p, s, keys).cached for s in ("sft", "reward")) and len(done) == 2
