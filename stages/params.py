@@ -407,33 +407,29 @@ def check_zero3(p: Params) -> None:
 def check_tensor_parallel(p: Params) -> None:
     """tp > 1: full fine-tunes of plain nn.Linear layers (hybridcore/tensor_parallel.py splits those only) with the
     native rollout; the model's heads and widths are checked against tp where its config is read (stages/checks.py)."""
-    e, tp = p.engine, p.engine.layout.tp
+    check_ranks(p, f"engine.layout.tp={p.engine.layout.tp}")
+
+
+def check_ranks(p: Params, what: str) -> None:
+    """What dp > 1 and tp > 1 both refuse for now: adapters or quantised roles, other rollout paths, the planner
+    (each rank would probe on its own, out of step with the others)."""
+    e = p.engine
     roles = [getattr(e.roles, r) for r in TRAINED]
     if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
-        raise NotYetSupported(f"engine.layout.tp={tp} with LoRA, quantised roles or share_base",
-                              "the 3D sharding issue (#8)")
+        raise NotYetSupported(f"{what} with LoRA, quantised roles or share_base", "the 3D sharding issue (#8)")
     if e.rollout.backend != "native" or e.rollout.offload_optimizer:
-        raise NotYetSupported(f"engine.layout.tp={tp} with engine.rollout.backend={e.rollout.backend} or "
+        raise NotYetSupported(f"{what} with engine.rollout.backend={e.rollout.backend} or "
                               f"engine.rollout.offload_optimizer=true", "the 3D sharding issue (#8)")
-    if e.memory_budget_gib is not None:  # each rank would probe on its own, out of step with its tp peers
-        raise NotYetSupported(f"engine.layout.tp={tp} with engine.memory_budget_gib (the planner across ranks)",
+    if e.memory_budget_gib is not None:
+        raise NotYetSupported(f"{what} with engine.memory_budget_gib (the planner across ranks)",
                               "the 3D sharding issue (#8)")
 
 
 def check_data_parallel(p: Params) -> None:
     """dp > 1 (a torchrun job, stages/launch.py): full fine-tunes with the native rollout, every batch split into
     equal shares per rank."""
-    e, dp = p.engine, p.engine.layout.dp
-    roles = [getattr(e.roles, r) for r in TRAINED]
-    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
-        raise NotYetSupported(f"engine.layout.dp={dp} with LoRA, quantised roles or share_base",
-                              "the 3D sharding issue (#8)")
-    if e.rollout.backend != "native" or e.rollout.offload_optimizer:
-        raise NotYetSupported(f"engine.layout.dp={dp} with engine.rollout.backend={e.rollout.backend} or "
-                              f"engine.rollout.offload_optimizer=true", "the 3D sharding issue (#8)")
-    if e.memory_budget_gib is not None:  # each rank would probe on its own, out of step with the others
-        raise NotYetSupported(f"engine.layout.dp={dp} with engine.memory_budget_gib (the planner across ranks)",
-                              "the 3D sharding issue (#8)")
+    dp = p.engine.layout.dp
+    check_ranks(p, f"engine.layout.dp={dp}")
     for field, value in (("sft.batch_size", p.sft.batch_size), ("reward.batch_size", p.reward.batch_size),
                          ("ppo.rollout_batch_size", p.ppo.rollout_batch_size),
                          ("ppo.minibatch_size", p.ppo.minibatch_size)):

@@ -25,6 +25,7 @@ from hybridcore.reshard import Resharder
 from hybridcore.zero import DEFAULT_EXTENSIONS_DIR, TrainEngine
 from tests.hybridcore.tp_worker import NEW_TOKENS, STEPS, TOKENIZER, other_model, prompts, tp_model
 from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, token_loss
+from tests.hybridcore.test_parallel import _pgroup_members
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -78,19 +79,6 @@ def zero_formulas(zero_stage: int, dp: int, tp: int, dp_rank: int) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------- torchrun
-def _pgroup_members(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                found.append(int(entry.name))
-    return found
-
-
 def torchrun(case: str, nproc: int, out: Path, timeout: int = 400) -> None:
     """`nproc` ranks of tp_worker.py; every process it started is gone when this returns."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),

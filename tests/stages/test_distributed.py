@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from hybridcore.artifacts import read_verified, staging_dir
 from hybridcore.errors import InputError, NotYetSupported, TrainingFault
@@ -24,6 +23,7 @@ from stages.keys import stage_keys
 from stages.params import load_params
 from stages.runner import run_stage
 from tests.conftest import ROOT
+from tests.stages.test_zero_stages import assert_close_weights
 
 SFT = {"epochs": 2, "checkpoint_every": 2}  # 8 steps of 16 rows
 
@@ -31,17 +31,6 @@ SFT = {"epochs": 2, "checkpoint_every": 2}  # 8 steps of 16 rows
 def params(root: Path, layout: dict | None = None, **sections):
     return load_params("test", {"pipeline": {"artifacts_dir": str(root)}, "sft": SFT,
                                 "engine": {"layout": layout or {}}, **sections})
-
-
-def weights(artifact) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(artifact) / "model" / "model.safetensors"))
-
-
-def assert_close_weights(a, b, atol: float) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=k)
 
 
 def processes_naming(text: str) -> list[str]:
