@@ -92,10 +92,11 @@ def _pgroup_members(pgid: int) -> list[int]:
     return found
 
 
-def torchrun(args: list[str], out: Path, timeout: int = 420) -> str:
-    """Two ranks under torchrun on a free loopback port; every process it started is gone when this returns."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(DP),
-           "--master-addr", "127.0.0.1", "--master-port", str(parallel.free_port()), str(WORKER), *args,
+def torchrun(args: list[str], out: Path, timeout: int = 420, worker: Path = WORKER, nproc: int = DP) -> str:
+    """`nproc` ranks of `worker` under torchrun on a free loopback port; every process it started is gone when
+    this returns."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(parallel.free_port()), str(worker), *args,
            "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))}

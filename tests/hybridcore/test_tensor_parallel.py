@@ -5,10 +5,6 @@ The two launches (tests/hybridcore/tp_worker.py) take ~15 s and ~45 s on 2 idle 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,17 +13,16 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from hybridcore import parallel, tensor_parallel
+from hybridcore import tensor_parallel
 from hybridcore.actor import HybridActor
 from hybridcore.errors import InputError, NotYetSupported
 from hybridcore.parallel import Layout
 from hybridcore.reshard import Resharder
-from hybridcore.zero import DEFAULT_EXTENSIONS_DIR, TrainEngine
+from hybridcore.zero import TrainEngine
 from tests.hybridcore.tp_worker import NEW_TOKENS, STEPS, TOKENIZER, other_model, prompts, tp_model
 from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, token_loss
-from tests.hybridcore.test_parallel import _pgroup_members
+from tests.hybridcore.test_parallel import torchrun as run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
 F32 = 4  # bytes per element: the models train in fp32
 SPLIT = tuple(tensor_parallel.ATTENTION + tensor_parallel.MLP)
@@ -81,26 +76,7 @@ def zero_formulas(zero_stage: int, dp: int, tp: int, dp_rank: int) -> dict[str, 
 # ------------------------------------------------------------------------------------------- torchrun
 def torchrun(case: str, nproc: int, out: Path, timeout: int = 400) -> None:
     """`nproc` ranks of tp_worker.py; every process it started is gone when this returns."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(parallel.free_port()), str(WORKER), "--case", case,
-           "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))}
-    for name in (*parallel.ENV_VARS, "HYBRID_RLHF_FAULT"):
-        env.pop(name, None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{text[-3000:]}")
-    finally:
-        if _pgroup_members(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, text[-4000:]
-    assert _pgroup_members(proc.pid) == [], "a rank outlived torchrun"
+    run_ranks(["--case", case], out, timeout, worker=WORKER, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
