@@ -58,7 +58,6 @@ SHAPES = {  # (family, config); the published models' shapes
 }
 LORA = LoraSpec(16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 PAD = 0
-NO_EOS = -1  # responses run to full length: no token id equals it
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -201,7 +200,7 @@ class Bench:
             # --rm cpu: make_experience brings the RM in for its scoring (engine.roles.reward.offload's path)
             self.m.moved_in = lambda: mem.hold("weights", self.ledger.held_now()["weights"])
             batch = pack(self.prompts, responses, PAD, self.device)
-            exp = make_exp(cfg, batch, self.m, NO_EOS, micro)
+            exp = make_exp(cfg, batch, batch, self.m, [], micro)  # no text: the RM reads the same tokens
         exp = {k: v.detach() for k, v in exp.items()}  # unfrozen: the graphs lived through scoring, not beyond
         stats = ppo.update(cfg, batch, exp, self.m, self.engines, ppo.update_backoffs(micro), 0, self.it,
                            phase=self.ledger.phase)

@@ -155,7 +155,7 @@ def worker(a) -> None:
         sync()
         t.append(time.perf_counter())
         batch = pack(mine, responses, PAD, dev)
-        exp = ppo.make_experience(cfg, batch, m, -1, s.micro)
+        exp = ppo.make_experience(cfg, batch, batch, m, [], s.micro)  # the RM reads the same tokens
         sync()
         t.append(time.perf_counter())
         stats = ppo.update(cfg, batch, exp, m, engines, backoffs, it, it)

@@ -19,7 +19,7 @@ HEADLINE = {
     "sft": ("train_loss", "heldout_loss", "heldout_token_accuracy"),
     "reward": ("heldout_accuracy", "heldout_margin"),
     "ppo": ("reward_first", "reward_last", "kl_last"),
-    "evaluate": ("sft_accuracy", "ppo_accuracy", "sft_reward", "ppo_reward"),
+    "evaluate": ("sft_accuracy", "ppo_accuracy", "sft_exact_match", "ppo_exact_match", "sft_reward", "ppo_reward"),
 }
 
 
@@ -33,11 +33,29 @@ def summary_table(summary: dict) -> str:
         lines.append(f"held-out prompts: {int(ev['prompts'])}; reward SFT {ev['sft_reward']:.3f} -> PPO "
                      f"{ev['ppo_reward']:.3f}" + (f"; task accuracy SFT {ev['sft_accuracy']:.1%} -> PPO "
                                                  f"{ev['ppo_accuracy']:.1%}" if "sft_accuracy" in ev else ""))
+    lines += warnings(summary)
     lines.append(f"artifacts: {Path(next(iter(summary['stages'].values()))['artifact']).parent.parent}"
                  if summary["stages"] else "")
     if summary.get("mlflow_run_id"):
         lines.append(f"MLflow run: {summary['mlflow_run_id']}")
     return "\n".join(lines)
+
+
+def warnings(summary: dict) -> list[str]:
+    """What the run got wrong quietly: rollouts or answers cut at max_new_tokens before they ended."""
+    out = []
+    ppo = summary["stages"].get("ppo", {}).get("metrics", {})
+    if ppo.get("truncated_iterations", 0) > 0:
+        out.append(f"warning: ppo: {int(ppo['truncated_iterations'])} of {int(ppo['steps'])} iterations cut more "
+                   f"than 10% of their responses at max_new_tokens={int(ppo['max_new_tokens'])} (last tenth: "
+                   f"{ppo['truncated_fraction_last']:.0%}); the reward model scored unfinished text: raise "
+                   f"ppo.max_new_tokens")
+    ev = summary["stages"].get("evaluate", {}).get("metrics", {})
+    for name in ("sft", "ppo"):
+        if ev.get(f"{name}_ended", 1.0) < 0.9:
+            out.append(f"warning: evaluate: only {ev[f'{name}_ended']:.0%} of {name.upper()}'s answers ended within "
+                       f"max_new_tokens={int(ev['max_new_tokens'])}: raise evaluate.max_new_tokens")
+    return out
 
 
 class _ShortInputErrors(logging.Filter):
@@ -122,6 +140,15 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_example_data(args) -> int:
+    from stages import example_files
+    from stages.params import load_params
+    paths = example_files.write(Path(args.out), load_params(args.params), args.conversational)
+    for kind, path in paths.items():
+        print(f"data.{kind}.path: {path}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from flows.serve import serve
     return serve(args.port)
@@ -159,6 +186,13 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--dry-run", action="store_true", help="gc: only list what would go")
     cache.add_argument("--debug", action="store_true", help="show full tracebacks")
     cache.set_defaults(fn=cmd_cache)
+    ex = sub.add_parser("example-data", help="write the built-in task as users' files (sft, preferences, prompts "
+                                             "JSONL), standard or conversational: examples of each format")
+    ex.add_argument("out", help="folder to write sft.jsonl, preferences.jsonl and prompts.jsonl into")
+    ex.add_argument("--conversational", action="store_true", help="chat turns (TRL's conversational format)")
+    ex.add_argument("--params", default="tiny", help="the params whose data.synthetic settings to use (default tiny)")
+    ex.add_argument("--debug", action="store_true", help="show full tracebacks")
+    ex.set_defaults(fn=cmd_example_data)
     serve = sub.add_parser("serve", help="Prefect server on 127.0.0.1 + one deployment per params preset")
     serve.add_argument("--port", type=int, default=4200)
     serve.add_argument("--debug", action="store_true", help="show full tracebacks")

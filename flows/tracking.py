@@ -186,8 +186,8 @@ class Tracker:
         """evaluate's samples.jsonl as an MLflow table: prompt, SFT and PPO answers, their rewards."""
         import pandas as pd
         rows = [json.loads(line) for line in (artifact / "samples.jsonl").read_text().splitlines() if line.strip()]
-        df = pd.DataFrame(rows)
-        first = [c for c in ("prompt", "answer", "sft_response", "ppo_response", "sft_reward", "ppo_reward")
+        df = pd.DataFrame(rows).drop(columns=["prompt"], errors="ignore")  # prompt_text: the same, as text
+        first = [c for c in ("prompt_text", "answer", "sft_response", "ppo_response", "sft_reward", "ppo_reward")
                  if c in df.columns]
         self.client.log_table(run_id, data=df[first + [c for c in df.columns if c not in first]],
                               artifact_file="samples_table.json")

@@ -14,6 +14,7 @@ import time
 import torch
 
 from hybridcore.batch import left_pad
+from hybridcore.chat import stop_ids
 from hybridcore.errors import NotYetSupported
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.rollout import make_backend
@@ -35,6 +36,7 @@ class HybridActor:
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         self.model, self.tokenizer = model, tokenizer
+        self.stop_ids = stop_ids(tokenizer)  # EOS and the chat template's end-of-turn token
         self.activation_checkpointing = activation_checkpointing
         set_activation_checkpointing(model, activation_checkpointing)
         self.backend = make_backend(backend, model, **(backend_options or {}))
@@ -96,7 +98,8 @@ class HybridActor:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[list[int]]:
-        """Responses (token ids, ending with eos when the model stopped) for left-padded prompts."""
+        """Responses (token ids, ending with a stop token, EOS or the template's end of turn, when the model
+        stopped) for left-padded prompts."""
         if not self.in_rollout:
             raise RuntimeError("HybridActor.generate must run inside `with actor.rollout():`")
         if self.resharder is not None:  # each rollout group generates its share; every rank gets all responses
@@ -115,14 +118,13 @@ class HybridActor:
         tok = self.tokenizer
         ids, mask = left_pad(prompts, tok.pad_token_id)
         device = next(self.model.parameters()).device
-        out = self.backend.generate(ids.to(device), mask.to(device), max_new_tokens, eos_id=tok.eos_token_id,
+        out = self.backend.generate(ids.to(device), mask.to(device), max_new_tokens, eos_id=self.stop_ids,
                                     pad_id=tok.pad_token_id, greedy=greedy, temperature=temperature, top_k=top_k,
                                     top_p=top_p)
         responses = []
         for row in out.tolist():
-            if tok.eos_token_id in row:
-                row = row[: row.index(tok.eos_token_id) + 1]
-            responses.append(row)
+            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+            responses.append(row if end is None else row[: end + 1])
         return responses
 
     def close(self) -> None:

@@ -81,26 +81,6 @@ def micro_batches(n: int, size: int):
         yield slice(start, min(start + size, n))
 
 
-def encode(tokenizer, prompts: list[str], responses: list[str] | None = None, max_len: int | None = None,
-           what: str = "data"):
-    """Token ids of prompts (and responses, each ended by eos), checked against max_len."""
-    from hybridcore.errors import InputError
-
-    p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    if responses is None:
-        r_ids = None
-    else:
-        eos = tokenizer.eos_token_id
-        r_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in responses]
-    if max_len is not None:
-        for i, p in enumerate(p_ids):
-            n = len(p) + (len(r_ids[i]) if r_ids is not None else 0)
-            if n > max_len:
-                raise InputError(f"{what}: row {i + 1} is {n} tokens long, over max_seq_len={max_len} "
-                                 f"(shorten it or raise max_seq_len)")
-    return p_ids, r_ids
-
-
 def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int):
     """Index lists of full batches, reshuffled every epoch from one seeded generator (the tail is dropped)."""
     g = torch.Generator().manual_seed(seed)

@@ -99,10 +99,28 @@ def response_values(critic, batch: Batch) -> torch.Tensor:
     return token_scores(critic, batch)[:, batch.prompt_len - 1:-1]
 
 
+def pooled_index(input_ids: torch.Tensor, pad_id) -> torch.Tensor:
+    """Where AutoModelForSequenceClassification reads its score: each row's last token that is not the pad id
+    (transformers' own rule, so a text that ends in the pad id, as when pad = EOS, pools where a plain call
+    pools); the last column when no pad id is set."""
+    if pad_id is None:
+        return torch.full(input_ids.shape[:1], input_ids.shape[1] - 1, dtype=torch.long, device=input_ids.device)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * (input_ids != pad_id)).argmax(-1)
+
+
 def sequence_scores(scorer, batch: Batch) -> torch.Tensor:
-    """The score at each row's last real token, [B]: what AutoModelForSequenceClassification pools."""
+    """The score of each row, [B], read where AutoModelForSequenceClassification pools (`pooled_index` with the
+    scorer's config.pad_token_id). Rows are whole texts (stages/examples.py: `scored_ids`)."""
     scores = token_scores(scorer, batch)
-    return scores.gather(1, batch.last_index.unsqueeze(1)).squeeze(1)
+    pad_id = getattr(scorer.config.get_text_config(), "pad_token_id", None)
+    return scores.gather(1, pooled_index(batch.input_ids, pad_id).unsqueeze(1)).squeeze(1)
+
+
+def sequences(rows: list[list[int]], pad_id: int, device=None) -> Batch:
+    """A batch of whole sequences (left-padded, no response part): what a reward model scores."""
+    from hybridcore.batch import pack
+    return pack(rows, [[] for _ in rows], pad_id, device)
 
 
 @torch.no_grad()

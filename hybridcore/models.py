@@ -32,17 +32,22 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on the run's own texts; digits stay single tokens so numbers are legible."""
+    """A byte-level BPE trained on the run's own texts; digits stay single tokens so numbers are legible. It
+    carries the built-in chatml template and its two tokens, so conversational rows run on a preset."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    from hybridcore.chat import BUILTIN, CHATML_TOKENS
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS, *CHATML_TOKENS],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left",
+                                  extra_special_tokens=list(CHATML_TOKENS))
+    out.chat_template = BUILTIN["chatml"]  # conversational data runs on the preset too (hybridcore/chat.py)
+    return out
 
 
 def build_preset(name: str, tokenizer, seed: int) -> LlamaForCausalLM:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -296,10 +297,12 @@ class NativeRollout:
         return d
 
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,
-                 pad_id: int, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0) -> torch.Tensor:
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
+                 eos_id: int | Sequence[int] | None, pad_id: int, greedy: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """eos_id: the token(s) that end a response (EOS and a chat template's end of turn); None: none do."""
         B, P = ids.shape
+        stops = stop_tensor(eos_id, ids.device)
         out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=ids.device)
         if max_new_tokens == 0:
             return out
@@ -317,13 +320,13 @@ class NativeRollout:
         n = max_new_tokens
         for t in range(max_new_tokens):
             nxt = sample(logits, greedy, temperature, top_k, top_p)
-            if eos_id is not None:
+            if stops is not None:
                 nxt = nxt.masked_fill(finished, pad_id)
-                finished |= nxt == eos_id
+                finished |= torch.isin(nxt, stops)
             out[:, t] = nxt
             if t + 1 == max_new_tokens:
                 break
-            if eos_id is not None and (t + 1) % every == 0 and bool(finished.all()):
+            if stops is not None and (t + 1) % every == 0 and bool(finished.all()):
                 n = t + 1
                 break
             d.tokens.copy_(nxt[:, None])
@@ -363,10 +366,22 @@ class HFGenerate:
         knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else \
             dict(temperature=None, top_k=None, top_p=None)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_id,
-                               eos_token_id=eos_id, bos_token_id=None, cache_implementation=self.cache_implementation,
+                               eos_token_id=stop_list(eos_id) or None, bos_token_id=None, cache_implementation=self.cache_implementation,
                                **knobs)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         return out[:, ids.shape[1]:]
+
+
+def stop_list(eos_id: int | Sequence[int] | None) -> list[int]:
+    """The ids that end a response, as a list (a backend's `eos_id` may be one id, several, or None)."""
+    if eos_id is None:
+        return []
+    return [int(eos_id)] if isinstance(eos_id, int) else [int(i) for i in eos_id]
+
+
+def stop_tensor(eos_id, device) -> torch.Tensor | None:
+    ids = stop_list(eos_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 def _vllm_rollout(model, **kwargs):

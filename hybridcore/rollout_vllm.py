@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridcore.batch import right_pad
+from hybridcore.rollout import stop_list
 from hybridcore.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class VLLMRollout:
         return int(sum(caches))
 
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *, eos_id: int | None,
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *, eos_id,
                  pad_id: int, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> torch.Tensor:
         from vllm import SamplingParams
@@ -206,8 +207,8 @@ class VLLMRollout:
         do_sample = not (greedy or temperature == 0)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
                                 top_k=top_k if do_sample else 0, top_p=top_p if do_sample else 1.0,
-                                stop_token_ids=[eos_id] if eos_id is not None else None, detokenize=False,
-                                ignore_eos=eos_id is None)
+                                stop_token_ids=stop_list(eos_id) or None, detokenize=False,
+                                ignore_eos=not stop_list(eos_id))
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         out, _ = right_pad([list(o.outputs[0].token_ids) for o in outs], pad_id)  # every row has >= 1 token
         self.last_stats = {"steps": out.shape[1], "weight_sync_bytes": self.last_sync.get("total_bytes", 0),

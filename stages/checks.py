@@ -37,11 +37,12 @@ def preflight(p: Params) -> None:
     _disk(p, root, n_params)
     _memory(p, n_params)
     _rollout_backend(p)
-    tables = {kind: data.read_table(getattr(p.data, kind).path, kind)
-              for kind in data.COLUMNS if getattr(p.data, kind).path is not None}
+    _checker(p)
+    _template(p, tok)
+    tables = {kind: data.read_table(getattr(p.data, kind).path, kind, getattr(p.data, kind).columns)
+              for kind in data.KINDS if getattr(p.data, kind).path is not None}
     _batches(p, tables)
-    if tok is not None:
-        _lengths(p, tok, tables, positions, where)
+    _rows(p, tok, tables, positions)
 
 
 def _artifacts_root(p: Params) -> Path:
@@ -97,12 +98,12 @@ def _context(p: Params, positions: Optional[int], where: str) -> None:
     run = stage_list(p)
     for stage in ("sft", "reward"):
         n = getattr(p, stage).max_seq_len
-        if stage in run and n > positions:
+        if stage in run and n is not None and n > positions:
             raise InputError(f"{stage}.max_seq_len ({n}) is longer than the model's context ({positions} positions, "
                              f"{where}); expected at most {positions}")
     for stage in ("ppo", "evaluate"):
         n = getattr(p, stage).max_new_tokens
-        if stage in run and n >= positions:
+        if stage in run and n is not None and n >= positions:
             raise InputError(f"{stage}.max_new_tokens ({n}) leaves no room for a prompt in the model's context "
                              f"({positions} positions, {where}); expected fewer than {positions}")
 
@@ -248,33 +249,57 @@ def _batches(p: Params, tables: dict) -> None:
                              f"least {what}={size} training rows (one full batch)")
 
 
-def _lengths(p: Params, tok, tables: dict, positions: Optional[int], where: str) -> None:
-    """With the tokenizer known before SFT, every user row's token length against what its stage allows
-    (the stages check the same again; for a preset's tokenizer, trained in SFT, only they can)."""
+def _checker(p: Params) -> None:
+    """evaluate.checker names a file and a function that import (the user named it: that is the consent)."""
+    if p.evaluate.checker is not None and "evaluate" in stage_list(p):
+        from stages import user_code
+        user_code.load(p.evaluate.checker, "evaluate.checker")
+
+
+def _template(p: Params, tok) -> None:
+    """data.chat_template names a built-in or a readable file that suits the tokenizer (when it is known)."""
+    if p.data.chat_template is None:
+        return
+    from hybridcore.chat import attach
+    attach(tok if tok is not None else _stand_in(), p.data.chat_template)
+
+
+def _stand_in():
+    """A preset's tokenizer is trained in SFT; rows are rendered up front with a small one of the same make."""
+    from hybridcore.models import train_tokenizer
+    return train_tokenizer(["system user assistant 0123456789"], 300)
+
+
+def _rows(p: Params, tok, tables: dict, positions: Optional[int]) -> None:
+    """Every user row through the encoding its stage will use: conversations render with the chat template,
+    pairs still differ once rendered, and, with the tokenizer known before SFT, every row's token length against
+    what its stage allows (the stages check the same again; for a preset's tokenizer, trained in SFT, only they
+    can)."""
+    from hybridcore.chat import attach
+    from stages import data, examples
     run = stage_list(p)
-
-    def ids(texts):
-        return tok(list(texts), add_special_tokens=False)["input_ids"]
-
+    if not tables:
+        return
+    known = tok is not None
+    if not known:
+        tok = _stand_in()
+        attach(tok, p.data.chat_template)
+    limit = (lambda n: n) if known else (lambda n: None)
     if "sft" in tables:
-        ds, limit = tables["sft"], p.sft.max_seq_len
-        for i, (a, b) in enumerate(zip(ids(ds["prompt"]), ids(ds["response"])), 1):
-            if len(a) + len(b) + 1 > limit:
-                raise InputError(f"data.sft.path: {p.data.sft.path} row {i}: prompt + response + eos are "
-                                 f"{len(a) + len(b) + 1} tokens, over sft.max_seq_len={limit} (expected at most "
-                                 f"{limit}: shorten the row or raise sft.max_seq_len)")
+        ds = tables["sft"]
+        examples.sft_examples(tok, ds, data.is_conversational(ds, "sft"), limit(p.sft.max_seq_len),
+                              data.source(p, "sft"), positions if known else None, report=known)
     if "preferences" in tables and "reward" in run:
-        ds, limit = tables["preferences"], p.reward.max_seq_len
-        for i, (a, c, r) in enumerate(zip(ids(ds["prompt"]), ids(ds["chosen"]), ids(ds["rejected"])), 1):
-            if len(a) + max(len(c), len(r)) + 1 > limit:
-                raise InputError(f"data.preferences.path: {p.data.preferences.path} row {i}: prompt + the longer "
-                                 f"response + eos are {len(a) + max(len(c), len(r)) + 1} tokens, over "
-                                 f"reward.max_seq_len={limit} (expected at most {limit})")
-    new = max([getattr(p, s).max_new_tokens for s in ("ppo", "evaluate") if s in run], default=None)
-    if "prompts" in tables and new is not None and positions is not None:
-        name = "ppo.max_new_tokens" if "ppo" in run and p.ppo.max_new_tokens == new else "evaluate.max_new_tokens"
-        for i, a in enumerate(ids(tables["prompts"]["prompt"]), 1):
-            if len(a) + new > positions:
-                raise InputError(f"data.prompts.path: {p.data.prompts.path} row {i}: the prompt is {len(a)} tokens; "
-                                 f"with {name}={new} that is {len(a) + new}, over the model's context ({positions} "
-                                 f"positions, {where}); expected prompt + {name} <= {positions}")
+        ds = tables["preferences"]
+        examples.pair_examples(tok, ds, data.is_conversational(ds, "preferences"), limit(p.reward.max_seq_len),
+                               data.source(p, "preferences"), positions if known else None, report=known)
+    if "prompts" in tables:
+        ps = examples.prompt_set(tok, tables["prompts"], data.source(p, "prompts"))
+        new = max([getattr(p, s).max_new_tokens or 0 for s in ("ppo", "evaluate") if s in run], default=0)
+        if known and new and positions is not None:
+            name = "ppo.max_new_tokens" if "ppo" in run and p.ppo.max_new_tokens == new else "evaluate.max_new_tokens"
+            for i, a in enumerate(ps.ids):
+                if len(a) + new > positions:
+                    raise InputError(f"{data.source(p, 'prompts')} {data.where(tables['prompts'], i)}: the prompt is {len(a)} "
+                                     f"tokens; with {name}={new} that is {len(a) + new}, over the model's context "
+                                     f"({positions} positions); expected prompt + {name} <= {positions}")

@@ -45,7 +45,14 @@ def base_model(p):
         else:
             model = model.to(dev)
     check_vocab(model, tok, "model.tokenizer" if p.model.tokenizer else "model")
+    from hybridcore.chat import attach
+    attach(tok, p.data.chat_template)  # exported with every stage's tokenizer, so the artifacts chat as they trained
     return tok, model
+
+
+def context_of(model) -> Optional[int]:
+    """The model's positions (max_position_embeddings), None when its config does not say."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
 
 def device(p):
@@ -139,6 +146,7 @@ def export(p, role: str, model, peft, tok, out: Path, adapter: str = "default", 
     (every rank of data-parallel replica 0 takes part), so the artifact is one whole HF folder whatever the layout."""
     from hybridcore.parallel import current
     from hybridcore.tensor_parallel import consolidated_state_dict, split_size
+    stop_at_end_of_turn(model, tok)
     if split_size(model) > 1:  # LoRA and quantisation are refused with tp > 1 (stages/params.py)
         state = consolidated_state_dict(model, current())
         if state is not None:
@@ -161,6 +169,17 @@ def export(p, role: str, model, peft, tok, out: Path, adapter: str = "default", 
         return
     save_merged(model, tok, out / "model", adapter, DTYPES[role_precision(p, role)])
     save_adapters(peft, out / "adapter", extra)
+
+
+def stop_at_end_of_turn(model, tok) -> None:
+    """A policy's generation_config.json names every stop token (EOS and the chat template's end of turn), so plain
+    `generate` on the exported folder stops where our rollouts stop."""
+    from hybridcore.chat import stop_ids
+    config = getattr(model, "generation_config", None)
+    stops = stop_ids(tok)
+    if config is not None and stops:
+        config.eos_token_id = stops[0] if len(stops) == 1 else stops
+        config.pad_token_id = tok.pad_token_id
 
 
 def total_steps(n_rows: int, batch_size: int, epochs: int, what: str) -> int:

@@ -19,6 +19,7 @@ import datasets
 from datasets import Dataset
 
 from hybridcore.errors import InputError
+from stages import formats
 
 datasets.disable_progress_bars()  # a few thousand rows load in milliseconds; the stages have their own bars
 
@@ -28,7 +29,7 @@ THINGS = ["apples", "pears", "coins", "books", "cards", "shells", "stones", "sta
           "beads", "pens", "cups", "hats", "keys", "nuts", "eggs", "plums"]
 VERBS = ["gets", "finds", "buys", "wins"]
 
-COLUMNS = {"sft": ("prompt", "response"), "preferences": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
+KINDS = ("sft", "preferences", "prompts")
 
 
 @dataclass
@@ -87,9 +88,9 @@ def synthetic(kind: str, syn, seed: int) -> Split:
     return Split(Dataset.from_list(train), Dataset.from_list(rows(held)))
 
 
-OPTIONAL = {"prompts": ("answer",)}   # kept when present; may be an empty string
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
               type(None): "null"}
+SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def _json_records(p: Path, field: str, kind: str) -> list[tuple[str, dict]]:
@@ -128,86 +129,86 @@ def _json_records(p: Path, field: str, kind: str) -> list[tuple[str, dict]]:
         if not isinstance(obj, dict):
             found = JSON_TYPES.get(type(obj), type(obj).__name__)
             raise InputError(f"{field}: could not read {p}: {unit} {n} is a JSON {found}, expected an object "
-                             f"with columns {', '.join(COLUMNS[kind])}")
-    return [(f"{unit} {n}", obj) for n, obj in numbered]
+                             f"with columns {', '.join(formats.STANDARD[kind])}")
+    return [(f"row {i} ({unit} {n})", obj) for i, (n, obj) in enumerate(numbered, 1)]
 
 
-def _check_rows(rows: list[tuple[str, dict]], columns: tuple[str, ...], path, field: str) -> None:
-    """Every row has every column as a string, non-empty except `answer`; preference pairs differ. Each row
-    comes with where it is in the file ("row 3 (line 4)")."""
-    for where, row in rows:
-        for col in columns:
-            v = row.get(col)
-            if not isinstance(v, str) or (col != "answer" and not v):
-                got = "nothing (the key is missing)" if col not in row else _short(v)
-                kind = "a string" if col == "answer" else "a non-empty string"
-                raise InputError(f"{field}: {path} {where}: column '{col}' must be {kind}, got {got}")
-        if "chosen" in columns and row["chosen"] == row["rejected"]:
-            raise InputError(f"{field}: {path} {where}: chosen equals rejected (a pair must differ)")
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _columns(kind: str, found: list[str], path, field: str) -> tuple[str, ...]:
-    missing = [c for c in COLUMNS[kind] if c not in found]
-    if missing:
-        raise InputError(f"{field}: {path} lacks column(s) {', '.join(missing)} "
-                         f"(expected columns: {', '.join(COLUMNS[kind])}; found: {', '.join(found) or 'none'})")
-    return COLUMNS[kind] + tuple(c for c in OPTIONAL.get(kind, ()) if c in found)
-
-
-def read_table(path: str, kind: str) -> Dataset:
-    """Load a user's JSONL or Parquet file and check it: UTF-8, one JSON object per line, the columns
-    `kind` needs as non-empty strings on every row, preference pairs that differ. Only those columns (and
-    an optional `answer` for prompts) are kept. Nothing is unpickled: JSON is parsed by the json module,
-    Parquet read by pyarrow."""
-    p = Path(path)
-    field = f"data.{kind}.path"
-    if p.is_dir():
-        raise InputError(f"{field}: {path} is a folder (expected a JSONL or Parquet file)")
-    if not p.is_file():
-        raise InputError(f"{field}: file {path} not found (expected a JSONL or Parquet file)")
-    suffix = p.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".parquet"):
-        raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl, .json or .parquet)")
-    if p.stat().st_size == 0:
-        raise InputError(f"{field}: {path} is empty (expected rows with columns {', '.join(COLUMNS[kind])})")
-    if suffix == ".parquet":
-        return _read_parquet(p, kind, field)
-    records = _json_records(p, field, kind)
-    if not records:
-        raise InputError(f"{field}: {path} has no rows (expected JSON objects with columns "
-                         f"{', '.join(COLUMNS[kind])})")
-    found = list(dict.fromkeys(k for _, r in records for k in r))
-    keep = _columns(kind, found, path, field)
-    _check_rows([(f"row {i} ({where})", r) for i, (where, r) in enumerate(records, 1)], keep, path, field)
-    return Dataset.from_dict({c: [r[c] for _, r in records] for c in keep})
-
-
-def _read_parquet(p: Path, kind: str, field: str) -> Dataset:
-    import pyarrow as pa
+def _parquet_records(p: Path, field: str) -> list[tuple[str, dict]]:
     import pyarrow.parquet as pq
-    from datasets.table import InMemoryTable
     try:
-        found = list(pq.read_schema(p).names)
-        keep = _columns(kind, found, p, field)
-        table = pq.read_table(p, columns=list(keep))
-    except InputError:
-        raise
+        table = pq.read_table(p)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         detail = (str(e).splitlines() or [""])[0][:200]
         raise InputError(f"{field}: could not read {p} as Parquet ({type(e).__name__}: {detail})") from None
-    if table.num_rows == 0:
-        raise InputError(f"{field}: {p} has no rows")
-    for col in keep:
-        t = table.schema.field(col).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            raise InputError(f"{field}: {p} column '{col}' has type {t}, expected string")
-    _check_rows([(f"row {i}", r) for i, r in enumerate(table.to_pylist(), 1)], keep, p, field)
-    return Dataset(InMemoryTable(table))
+    return [(f"row {i}", r) for i, r in enumerate(table.to_pylist(), 1)]
+
+
+def _folder_records(p: Path, field: str) -> list[tuple[str, dict]]:
+    """A `datasets.save_to_disk` folder (Arrow files and JSON metadata; nothing is unpickled): a Dataset, or the
+    `train` split of a DatasetDict."""
+    if not ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
+        raise InputError(f"{field}: {p} is a folder without state.json or dataset_dict.json (expected a JSONL or "
+                         f"Parquet file, or a folder written by datasets' save_to_disk)")
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:
+        raise InputError(f"{field}: could not load {p} with datasets.load_from_disk ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise InputError(f"{field}: {p} holds the splits {', '.join(ds)}; expected a 'train' split (or save "
+                             f"one split alone)")
+        ds = ds["train"]
+    return [(f"row {i}", r) for i, r in enumerate(ds.to_list(), 1)]
+
+
+def read_table(path: str, kind: str, columns: Optional[dict] = None) -> Dataset:
+    """A user's file (JSONL, a .json array, Parquet, or a `datasets.save_to_disk` folder), checked and brought to
+    one shape (stages/formats.py): standard text or conversational turns, one format per file, `columns` mapping
+    our column names to the file's. Prompt rows keep the whole row (`row`, JSON) for evaluation's checker.
+    Nothing is unpickled: JSON is parsed by the json module, Parquet and Arrow read by pyarrow."""
+    p = Path(path)
+    field = f"data.{kind}.path"
+    if p.is_dir():
+        records = _folder_records(p, field)
+    elif not p.is_file():
+        raise InputError(f"{field}: file {path} not found (expected a JSONL or Parquet file, or a datasets folder)")
+    elif p.suffix.lower() not in SUFFIXES:
+        raise InputError(f"{field}: {path} has suffix '{p.suffix}' (expected .jsonl, .json or .parquet, or a "
+                         f"datasets folder)")
+    elif p.stat().st_size == 0:
+        raise InputError(f"{field}: {path} is empty (expected rows with columns {', '.join(formats.STANDARD[kind])})")
+    else:
+        records = _parquet_records(p, field) if p.suffix.lower() == ".parquet" else _json_records(p, field, kind)
+    if not records:
+        raise InputError(f"{field}: {path} has no rows (expected rows with columns "
+                         f"{', '.join(formats.STANDARD[kind])})")
+    records = formats.rename(records, columns, kind, str(path))
+    rows, _ = formats.normalize(kind, records, str(path), field)
+    for row, (where, raw) in zip(rows, records):
+        row[WHERE] = where  # errors found later (a stage's tokenizer, a template) still name the file's row
+        if kind == "prompts":
+            row["row"] = json.dumps(raw, default=str)
+    return Dataset.from_list(rows)
+
+
+WHERE = "_where"
+
+
+def where(ds: Dataset, i: int) -> str:
+    """Row i of a split as its file numbers it ("row 7 (line 9)"), or its place in the built-in data."""
+    return ds[i][WHERE] if WHERE in ds.column_names else f"row {i + 1}"
+
+
+def source(p, kind: str) -> str:
+    """How errors name a kind's data: its file, or the built-in task."""
+    path = getattr(p.data, kind).path
+    return f"data.{kind}.path: {path}" if path is not None else f"data.{kind} (built-in)"
+
+
+def is_conversational(ds: Dataset, kind: str) -> bool:
+    """Whether a loaded split holds turns (see stages/formats.py) rather than text."""
+    return len(ds) > 0 and formats.is_conversational(kind, ds[0])
 
 
 def split_sizes(n_rows: int, heldout_fraction: float) -> tuple[int, int]:
@@ -218,31 +219,52 @@ def split_sizes(n_rows: int, heldout_fraction: float) -> tuple[int, int]:
 
 def load(kind: str, params) -> Split:
     """The train/held-out split of one kind of data, synthetic unless `data.<kind>.path` is set."""
-    path = getattr(params.data, kind).path
-    if path is None:
+    source = getattr(params.data, kind)
+    if source.path is None:
         return synthetic(kind, params.data.synthetic, params.pipeline.seed)
-    ds = read_table(path, kind).shuffle(seed=params.pipeline.seed)
+    ds = read_table(source.path, kind, source.columns).shuffle(seed=params.pipeline.seed)
     n_train, n_held = split_sizes(len(ds), params.data.heldout_fraction)
     if n_train < 1:
-        raise InputError(f"data.{kind}.path: {path} has {len(ds)} row(s); need at least 2 to keep some held out")
+        raise InputError(f"data.{kind}.path: {source.path} has {len(ds)} row(s); need at least 2 to keep some "
+                         f"held out")
     return Split(ds.select(range(n_held, len(ds))), ds.select(range(n_held)))
 
 
-def check_answer(response: str, answer: Optional[str]) -> Optional[bool]:
-    """Is the first number in the response the answer? None when no answer is known."""
-    if answer is None:
-        return None
+def rows(ds: Dataset) -> list[dict]:
+    """Each prompt row as the file had it (column names mapped to ours), for checkers and reward functions."""
+    if "row" in ds.column_names:
+        return [json.loads(r) for r in ds["row"]]
+    return ds.to_list()
+
+
+def first_number(prompt, response: str, row: dict) -> bool:
+    """The built-in task's checker: is the first integer in the response the answer?"""
     m = re.search(r"-?\d+", response)
-    return m is not None and m.group(0) == answer.strip()
+    return m is not None and m.group(0) == str(row["answer"]).strip()
+
+
+def exact_match(prompt, response: str, row: dict) -> bool:
+    """The default checker for users' prompts: the response equals the answer after whitespace normalisation."""
+    return " ".join(response.split()) == " ".join(str(row["answer"]).split())
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return []
 
 
 def corpus(params) -> list[str]:
-    """Every text a locally trained tokenizer should cover."""
+    """Every text a locally trained tokenizer should cover (turns' roles and contents included)."""
     texts = []
-    for kind in COLUMNS:
+    for kind in KINDS:
         split = load(kind, params)
         for ds in (split.train, split.heldout):
-            for col in ("prompt", "response", "chosen", "rejected"):
+            for col in ("prompt", "response", "chosen", "rejected", "messages"):
                 if col in ds.column_names:
-                    texts.extend(ds[col])
+                    texts.extend(s for v in ds[col] for s in _strings(v))
     return texts

@@ -1,28 +1,70 @@
-"""Evaluation: greedy answers of the SFT and PPO policies on held-out prompts, scored by the reward
-model and, where the prompts carry an answer, checked for task accuracy."""
+"""Evaluation: greedy answers of the SFT and PPO policies on held-out prompts, scored by the reward model and,
+where the prompts carry an `answer`, judged by a checker.
+
+The checker is `evaluate.checker` ("FILE.py:NAME", called NAME(prompt, response, row) -> bool), else exact match
+after whitespace normalisation (the built-in task: its answer is the response's first number). Exact match is
+reported beside any checker, and so is the share of responses that ended (a stop token before max_new_tokens).
+Every held-out row goes to evaluation.jsonl, the first `samples` to samples.jsonl.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from hybridcore.actor import HybridActor
-from hybridcore.batch import encode, micro_batches, pack
-from hybridcore.forward import batched, sequence_scores
+from hybridcore.batch import micro_batches
+from hybridcore.chat import stop_ids
+from hybridcore.errors import TrainingFault
+from hybridcore.forward import batched, sequence_scores, sequences
 from hybridcore.models import load_tokenizer, resident
-from stages import data
-from stages.common import check_prompt_room, device, frozen, load_policy, load_scorer, seed_all
+from stages import data, user_code
+from stages.common import check_prompt_room, context_of, device, frozen, load_policy, load_scorer, seed_all
+from stages.examples import PromptSet, max_new_tokens, prompt_set
+
+
+def checker(p) -> Callable:
+    """evaluate.checker, else the built-in task's first-number check or exact match for users' prompts."""
+    if p.evaluate.checker is not None:
+        return user_code.load(p.evaluate.checker, "evaluate.checker")
+    return data.first_number if p.data.prompts.path is None else data.exact_match
+
+
+class CheckerFault(TrainingFault):
+    """The user's checker raised or returned something other than a bool."""
+
+
+def verdicts(check: Callable, ps: PromptSet, responses: list[str], name: str) -> list[bool]:
+    out = []
+    for i, (text, response, row) in enumerate(zip(ps.texts, responses, ps.rows), 1):
+        try:
+            v = check(text, response, row)
+        except Exception as e:
+            raise CheckerFault(f"evaluate.checker raised {type(e).__name__} on held-out prompt {i} ({name} "
+                               f"response {response[:40]!r}): {(str(e).splitlines() or [''])[0][:200]}") from None
+        if not isinstance(v, bool) and not (type(v).__name__ == "bool_" and hasattr(v, "item")):
+            raise CheckerFault(f"evaluate.checker returned {type(v).__name__} {v!r:.40} on held-out prompt {i}; "
+                               f"expected True or False")
+        out.append(bool(v))
+    return out
 
 
 @torch.no_grad()
-def answers(policy, tok, prompts: list[list[int]], cfg) -> list[list[int]]:
+def answers(policy, tok, prompts: list[list[int]], new_tokens: int, batch_size: int) -> list[list[int]]:
     actor = HybridActor(frozen(policy), tok)
     out = []
     with actor.rollout():
-        for s in micro_batches(len(prompts), cfg.batch_size):
-            out += actor.generate(prompts[s], cfg.max_new_tokens, greedy=True)
+        for s in micro_batches(len(prompts), batch_size):
+            out += actor.generate(prompts[s], new_tokens, greedy=True)
     return out
+
+
+def new_tokens(p, inputs: dict[str, Path], positions: Optional[int], prompts: list[list[int]]) -> int:
+    """evaluate.max_new_tokens, else ppo's, else derived from the data as PPO derives it."""
+    limit = p.evaluate.max_new_tokens if p.evaluate.max_new_tokens is not None else p.ppo.max_new_tokens
+    return max_new_tokens(limit, inputs, "evaluate.max_new_tokens", positions, prompts)
 
 
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
@@ -33,32 +75,40 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     home = torch.device("cpu") if p.engine.roles.reward.offload else None  # the RM waits there while policies run
     if home is not None:
         rm.to(home)
-    held = data.load("prompts", p).heldout
-    texts = held["prompt"]
-    gold = held["answer"] if "answer" in held.column_names else [None] * len(texts)
-    prompts, _ = encode(tok, texts)
-    metrics, rows = {"prompts": len(prompts)}, [dict(prompt=t, answer=a) for t, a in zip(texts, gold)]
+    ps = prompt_set(tok, data.load("prompts", p).heldout, data.source(p, "prompts"))
+    gold, check = ps.answers(), checker(p)
+    metrics = {"prompts": len(ps.ids)}
+    rows = [{"prompt": row.get("prompt"), "prompt_text": t, "answer": a}  # prompt: as the file has it (text or turns)
+            for row, t, a in zip(ps.rows, ps.texts, gold or [None] * len(ps.ids))]
+    stops = stop_ids(tok)
     for name in ("sft", "ppo"):
         policy = load_policy(p, inputs[name] / "model", "actor")
-        check_prompt_room(policy, texts, prompts, cfg.max_new_tokens, "evaluate.max_new_tokens",
-                          "data.prompts (held out)")
-        responses = answers(policy, tok, prompts, cfg)
+        n_new = new_tokens(p, inputs, context_of(policy), ps.ids)
+        check_prompt_room(policy, ps.texts, ps.ids, n_new, "evaluate.max_new_tokens", data.source(p, "prompts"))
+        responses = answers(policy, tok, ps.ids, n_new, cfg.batch_size)
         del policy  # the next policy loads in its place
-        with resident(rm, device(p), home):
-            rewards = batched(sequence_scores, rm, pack(prompts, responses, tok.pad_token_id, rm.device),
-                              cfg.batch_size)
         decoded = tok.batch_decode(responses, skip_special_tokens=True)
-        checks = [data.check_answer(r, a) for r, a in zip(decoded, gold)]
+        scored = [ps.scored(i, text) for i, text in enumerate(decoded)]
+        with resident(rm, device(p), home):
+            rewards = batched(sequence_scores, rm, sequences(scored, tok.pad_token_id, rm.device), cfg.batch_size)
+        ended = [bool(r) and r[-1] in stops for r in responses]
         metrics[f"{name}_reward"] = float(rewards.mean())
-        if all(c is not None for c in checks):
-            metrics[f"{name}_accuracy"] = sum(checks) / len(checks)
-        for row, text, r, c in zip(rows, decoded, rewards.tolist(), checks):
-            row.update({f"{name}_response": text, f"{name}_reward": r, f"{name}_correct": c})
+        metrics[f"{name}_ended"] = sum(ended) / len(ended)
+        correct = exact = [None] * len(decoded)
+        if gold is not None:
+            correct = verdicts(check, ps, decoded, name)
+            exact = [data.exact_match(t, r, row) for t, r, row in zip(ps.texts, decoded, ps.rows)]
+            metrics[f"{name}_accuracy"] = sum(correct) / len(correct)
+            metrics[f"{name}_exact_match"] = sum(exact) / len(exact)
+        for row, text, r, c, e, end in zip(rows, decoded, rewards.tolist(), correct, exact, ended):
+            row.update({f"{name}_response": text, f"{name}_reward": r, f"{name}_correct": c,
+                        f"{name}_exact_match": e, f"{name}_ended": end})
+    metrics["max_new_tokens"] = n_new
     metrics["reward_gain"] = metrics["ppo_reward"] - metrics["sft_reward"]
     if "sft_accuracy" in metrics:
         metrics["accuracy_gain"] = metrics["ppo_accuracy"] - metrics["sft_accuracy"]
     sink.log(metrics, 0)
-    with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-        for row in rows[: cfg.samples]:
-            f.write(json.dumps(row) + "\n")
+    for name, keep in (("evaluation.jsonl", rows), ("samples.jsonl", rows[: cfg.samples])):
+        with open(out / name, "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in keep))
     return metrics

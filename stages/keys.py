@@ -1,8 +1,9 @@
 """Cache keys: one key per stage, derived from everything that can change its output.
 
-key = sha256(the stage's own params section + the sections it reads (model, the data it loads, seed) + the
-`engine` section + its inputs' keys + its files' fingerprints + code version). Code version hashes
-stages/<stage>.py, stages/data.py (every stage reads data) and hybridcore/. The flow's Prefect cache
+key = sha256(the stage's own params section + the sections it reads (model, the data it loads, seed, the chat
+template) + the `engine` section + its inputs' keys + its files' fingerprints (data, model folder, a template file,
+evaluation's checker) + code version). Code version hashes stages/<stage>.py, the stage modules every stage runs
+(SHARED: data, formats, examples, common) and hybridcore/. The flow's Prefect cache
 policy uses these same keys: the artifact store is the only cache.
 """
 from __future__ import annotations
@@ -13,14 +14,20 @@ from functools import lru_cache
 from pathlib import Path
 
 from stages.params import STAGES, Params
+from stages.user_code import fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUTS = {"sft": [], "reward": ["sft"], "ppo": ["sft", "reward"], "evaluate": ["sft", "reward", "ppo"]}
 
 
+# what every stage runs besides its own module: reading and encoding the data, loading and exporting models
+SHARED = ("data.py", "formats.py", "examples.py", "common.py")
+
+
 @lru_cache(maxsize=None)
 def code_version(stage: str) -> str:
-    files = [ROOT / "stages" / f"{stage}.py", ROOT / "stages" / "data.py", *sorted((ROOT / "hybridcore").rglob("*.py"))]
+    files = [ROOT / "stages" / f"{stage}.py", *(ROOT / "stages" / f for f in SHARED),
+             *sorted((ROOT / "hybridcore").rglob("*.py"))]
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(ROOT)).encode())
@@ -28,14 +35,21 @@ def code_version(stage: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _file_fingerprint(path: str | None) -> str | None:
-    """Content hash of a data file; a model folder by its config and its files' names and sizes (hashing
-    16 GB of weights on every run would cost more than it protects)."""
+def _file_fingerprint(path: str | None, whole_folder: bool = False) -> str | None:
+    """Content hash of a data file (or of every file of a datasets folder: `whole_folder`); a model folder by its
+    config and its files' names and sizes (hashing 16 GB of weights on every run would cost more than it
+    protects)."""
     if path is None:
         return None
     p = Path(path)
     if p.is_file():
         return hashlib.sha256(p.read_bytes()).hexdigest()
+    if p.is_dir() and whole_folder:
+        h = hashlib.sha256()
+        for q in sorted(q for q in p.rglob("*") if q.is_file()):
+            h.update(str(q.relative_to(p)).encode())
+            h.update(q.read_bytes())
+        return h.hexdigest()
     if p.is_dir():
         listing = sorted((q.name, q.stat().st_size) for q in p.iterdir() if q.is_file())
         config = (p / "config.json").read_bytes().decode(errors="replace") if (p / "config.json").is_file() else ""
@@ -67,26 +81,33 @@ def data_params(p: Params, stage: str) -> dict:
     out = {}
     for kind in data_kinds(p, stage):
         path = getattr(p.data, kind).path
-        out[kind] = ({"file": True, "heldout_fraction": p.data.heldout_fraction} if path is not None
+        out[kind] = ({"file": True, "heldout_fraction": p.data.heldout_fraction,
+                      "columns": getattr(p.data, kind).columns} if path is not None
                      else {"synthetic": p.data.synthetic.model_dump(mode="json")})
     return out
 
 
 def stage_params(p: Params, stage: str) -> dict:
     """What a stage's output depends on among the params (artifacts_dir, tracking, the stage list, checkpoint
-    cadence and the data of other stages don't)."""
+    cadence and the data of other stages don't). Evaluation reads ppo.max_new_tokens when its own is null."""
     own = {k: v for k, v in p.model_dump(mode="json")[stage].items() if k not in NOT_IN_KEY}
-    return {"stage": own, "model": p.model.model_dump(mode="json"),
-            "data": data_params(p, stage), "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json")}
+    if stage == "evaluate" and own["max_new_tokens"] is None:
+        own["max_new_tokens"] = p.ppo.max_new_tokens
+    return {"stage": own, "model": p.model.model_dump(mode="json"), "data": data_params(p, stage),
+            "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json"), "chat_template": p.data.chat_template}
 
 
 def stage_keys(p: Params) -> dict[str, str]:
     """Keys of all four stages, each chained on its inputs' keys."""
     model_files = {"model": _file_fingerprint(p.model.path), "tokenizer": _file_fingerprint(p.model.tokenizer)}
-    data_files = {k: _file_fingerprint(getattr(p.data, k).path) for k in ALL_KINDS}
+    data_files = {k: _file_fingerprint(getattr(p.data, k).path, whole_folder=True) for k in ALL_KINDS}
+    template = p.data.chat_template
+    model_files["chat_template"] = _file_fingerprint(template) if template and Path(template).is_file() else None
     keys: dict[str, str] = {}
     for stage in STAGES:
         files = {**model_files, **{k: data_files[k] for k in data_kinds(p, stage)}}
+        if stage == "evaluate":
+            files["checker"] = fingerprint(p.evaluate.checker)
         doc = {"params": stage_params(p, stage), "inputs": {s: keys[s] for s in INPUTS[stage]},
                "files": files, "code": code_version(stage)}
         keys[stage] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]

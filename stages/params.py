@@ -62,15 +62,20 @@ class Synthetic(_Section):
 
 
 class DataFile(_Section):
-    path: Optional[str] = None              # JSONL or Parquet; null = the built-in synthetic task
+    path: Optional[str] = None              # JSONL, .json array, Parquet, or a datasets.save_to_disk folder;
+                                            # null = the built-in synthetic task
+    columns: Optional[dict[str, str]] = None  # our column name -> the file's, e.g. {prompt: question, response: answer}
 
 
 class Data(_Section):
     synthetic: Synthetic = Synthetic()
-    sft: DataFile = DataFile()              # columns: prompt, response
-    preferences: DataFile = DataFile()      # columns: prompt, chosen, rejected
-    prompts: DataFile = DataFile()          # columns: prompt (+ optional answer, used only by evaluation)
+    # formats (stages/formats.py): standard text, or conversational turns rendered with the chat template
+    sft: DataFile = DataFile()              # prompt, response | messages
+    preferences: DataFile = DataFile()      # [prompt,] chosen, rejected (text or turns; no prompt = implicit)
+    prompts: DataFile = DataFile()          # prompt (text or turns) [+ answer, for evaluation's checker]
     heldout_fraction: float = Field(0.1, gt=0, lt=1)  # share of a user's file kept for evaluation
+    chat_template: Optional[str] = None     # for conversational rows: chatml | plain | a .jinja file; null = the
+                                            # tokenizer's own (the tiny preset's has chatml)
 
 
 class Steps(_Section):
@@ -89,7 +94,8 @@ class Optim(Steps):
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = Field(1.0, gt=0)
-    max_seq_len: int = Field(64, gt=0)      # prompt + response tokens; longer examples are an input error
+    max_seq_len: Optional[int] = Field(None, gt=0)  # prompt + response tokens; longer rows are an input error;
+                                            # null = the longest row of the data (within the model's context)
 
     @model_validator(mode="after")
     def _divides(self):
@@ -132,7 +138,8 @@ class PPO(Steps):
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(0, ge=0)             # 0 = off
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, gt=0)
+    max_new_tokens: Optional[int] = Field(None, gt=0)  # null = from the data: the longest SFT/preference
+                                            # response + its end token, + 25 % (stages/examples.py)
     missing_eos_penalty: Optional[float] = None  # added to the reward of responses that never end
     critic_init: Literal["reward", "sft"] = "reward"  # value head from the RM (score head) or fresh on SFT
 
@@ -149,7 +156,10 @@ class PPO(Steps):
 
 
 class Evaluate(_Section):
-    max_new_tokens: int = Field(8, gt=0)
+    max_new_tokens: Optional[int] = Field(None, gt=0)  # null = as ppo's (from the data)
+    checker: Optional[str] = None           # "FILE.py:NAME", called NAME(prompt, response, row) -> bool on prompts
+                                            # with an answer; null = exact match after whitespace normalisation
+                                            # (the built-in task: its first number)
     batch_size: int = Field(64, gt=0)
     samples: int = Field(16, ge=0)          # sample generations kept in the artifact
 

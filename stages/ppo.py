@@ -22,8 +22,9 @@ import torch
 
 from hybridcore import rl
 from hybridcore.actor import HybridActor
-from hybridcore.batch import encode, pack
-from hybridcore.forward import batched, response_logprobs, response_logprobs_entropy, response_values, sequence_scores
+from hybridcore.batch import pack
+from hybridcore.forward import (batched, response_logprobs, response_logprobs_entropy, response_values, sequence_scores,
+                                sequences)
 from hybridcore.errors import say
 from hybridcore.freezing import TrainableState, assert_frozen
 from hybridcore.ledger import MemoryLedger
@@ -33,18 +34,18 @@ from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.interrupts import fault_active, fault_point
 from stages.common import (Resumable, StepLog, check_prompt_room, checkpoint_parts, checkpointed, checkpointing,
-                           export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
+                           context_of, export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
                            role_precision, seed_all, tp_split, trainer, with_lora)
 
 
-def prompt_stream(prompts: list[list[int]], size: int, seed: int):
-    """Endless batches of prompts, reshuffled each pass."""
+def prompt_stream(n: int, size: int, seed: int):
+    """Endless batches of prompt indices, reshuffled each pass."""
     rng = random.Random(seed)
     while True:
-        order = list(range(len(prompts)))
+        order = list(range(n))
         rng.shuffle(order)
         for start in range(0, len(order) - size + 1, size):
-            yield [prompts[i] for i in order[start:start + size]]
+            yield order[start:start + size]
 
 
 @dataclass
@@ -117,8 +118,9 @@ def offload_homes(p) -> dict:
 
 
 @torch.no_grad()
-def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
-    """Everything the updates need from one rollout, computed without autograd."""
+def make_experience(cfg, batch, scored, m: Models, stops: list[int], micro: int) -> dict:
+    """Everything the updates need from one rollout, computed without autograd. `scored` holds what the RM reads
+    (each prompt + response as whole text: stages/examples.py); a response ended if it holds a stop token."""
     mask = batch.response_mask.float()
     with m.use("actor"):
         old_logp = batched(response_logprobs, m.policy, batch, micro)
@@ -127,8 +129,9 @@ def make_experience(cfg, batch, m: Models, eos_id, micro: int) -> dict:
     with m.use("critic"):
         values = batched(response_values, m.critic, batch, micro)
     with m.resident("reward", m.rm):
-        scores = batched(sequence_scores, m.rm, batch, micro)
-    ended = (batch.responses == eos_id).any(1)
+        scores = batched(sequence_scores, m.rm, scored, micro)
+    ended = (torch.isin(batch.responses, torch.tensor(stops, device=batch.responses.device))
+             & batch.response_mask.bool()).any(1)
     if cfg.missing_eos_penalty is not None:
         scores = scores + (~ended).float() * cfg.missing_eos_penalty
     kl = rl.kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask
@@ -224,6 +227,25 @@ def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomB
     return out
 
 
+TRUNCATED_WARN = 0.1  # more responses than this cut at max_new_tokens: the RM scored unfinished text; say so
+
+
+def truncated_fraction(exp: dict, n_new: int) -> float:
+    """Responses that reached max_new_tokens without a stop token (cut off, not finished)."""
+    cut = (~exp["ended"]) & (exp["mask"].sum(1) >= n_new)
+    return float(cut.float().mean())
+
+
+def warn_truncated(fraction: float, it: int, n_new: int, history: list[dict]) -> None:
+    """One line, the first time an iteration cuts more than TRUNCATED_WARN of its responses (the summary counts)."""
+    if fraction > TRUNCATED_WARN and sum(h["truncated_fraction"] > TRUNCATED_WARN for h in history) == 1:
+        from hybridcore.parallel import is_main
+        if is_main():
+            say(f"warning: ppo iteration {it}: {fraction:.0%} of responses hit ppo.max_new_tokens={n_new} without "
+                f"ending, so the reward model scored cut-off text (raise ppo.max_new_tokens; the summary counts "
+                f"such iterations)")
+
+
 def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
     """The memory planner's probe: one actor and one critic micro-step on `rows` copies of the longest prompt with a
     full-length response (the peak of the two is what the update needs)."""
@@ -244,7 +266,7 @@ def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
     return micro_step
 
 
-def rollout_offload(p, m: Models, layout, prompts: list[list[int]], plan_metrics: dict) -> bool:
+def rollout_offload(p, m: Models, layout, prompts: list[list[int]], n_new: int, plan_metrics: dict) -> bool:
     """engine.rollout.offload_optimizer, or the memory planner's call (plain AdamW: under ZeRO DeepSpeed owns the
     states) when the rollout's KV cache would not fit beside the actor's optimizer states."""
     if p.engine.rollout.offload_optimizer or p.engine.memory_budget_gib is None or layout.zero_stage > 0:
@@ -254,7 +276,7 @@ def rollout_offload(p, m: Models, layout, prompts: list[list[int]], plan_metrics
     actor_states = planner.optimizer_state_bytes(actor, 0, False)
     held = planner.held_bytes((m.policy, m.ref, m.critic, m.rm)) + planner.optimizer_state_bytes(critic, 0, False)
     kv = planner.kv_cache_bytes(m.policy.config, p.ppo.rollout_batch_size // p.engine.layout.dp,
-                                max(map(len, prompts)) + p.ppo.max_new_tokens, DTYPES[role_precision(p, "actor")])
+                                max(map(len, prompts)) + n_new, DTYPES[role_precision(p, "actor")])
     on = planner.choose_rollout_offload(p.engine.memory_budget_gib, held + actor_states, actor_states, kv)
     plan_metrics["planned_rollout_offload"] = float(on)
     if on:
@@ -263,14 +285,14 @@ def rollout_offload(p, m: Models, layout, prompts: list[list[int]], plan_metrics
     return on
 
 
-def backend_options(p, prompts: list[list[int]]) -> dict:
+def backend_options(p, prompts: list[list[int]], n_new: int) -> dict:
     """The rollout backend's settings from params: only vllm takes any."""
     if p.engine.rollout.backend != "vllm":
         return {}
     v = p.engine.rollout.vllm
     return {"bucket_mib": v.bucket_mib, "kv_cache_gib": v.kv_cache_gib, "gpu_memory_utilization":
             v.gpu_memory_utilization, "sleep": v.sleep, "seed": p.pipeline.seed,
-            "max_model_len": max(len(x) for x in prompts) + p.ppo.max_new_tokens}
+            "max_model_len": max(len(x) for x in prompts) + n_new}
 
 
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
@@ -279,9 +301,11 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     m = load_models(p, inputs, tok)
     from stages import data  # here, not at the top: bench/memory.py imports this module where datasets is absent
-    texts = data.load("prompts", p).train["prompt"]
-    prompts, _ = encode(tok, texts)
-    check_prompt_room(m.policy, texts, prompts, cfg.max_new_tokens, "ppo.max_new_tokens", "data.prompts")
+    from stages.examples import max_new_tokens, prompt_set
+    ps = prompt_set(tok, data.load("prompts", p).train, data.source(p, "prompts"))
+    prompts = ps.ids
+    n_new = max_new_tokens(cfg.max_new_tokens, inputs, "ppo.max_new_tokens", context_of(m.policy), prompts)
+    check_prompt_room(m.policy, ps.texts, prompts, n_new, "ppo.max_new_tokens", data.source(p, "prompts"))
     if len(prompts) < cfg.rollout_batch_size:
         from hybridcore.errors import InputError
         raise InputError(f"data.prompts: {len(prompts)} prompts is fewer than ppo.rollout_batch_size="
@@ -294,21 +318,21 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         set_activation_checkpointing(m.critic, checkpointing(p, "critic"))
     micro, layout, plan_metrics = planned(
         p, "ppo", cfg.minibatch_size // p.engine.layout.dp, cfg.micro_batch_size, (m.policy, m.ref, m.critic, m.rm),
-        [*m.actor_params.parameters(), *m.critic_params.parameters()], probe(m, prompts, cfg.max_new_tokens), sink)
+        [*m.actor_params.parameters(), *m.critic_params.parameters()], probe(m, prompts, n_new), sink)
     engines = [trainer(p, params, lr=lr, steps=updates, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=1.0,
                        max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
                for params, lr in ((m.actor_params, cfg.actor_lr), (m.critic_params, cfg.critic_lr))]
     m.frozen_check([e.trained for e in engines])
-    offload = rollout_offload(p, m, layout, prompts, plan_metrics)
+    offload = rollout_offload(p, m, layout, prompts, n_new, plan_metrics)
     actor = HybridActor(m.policy, tok, checkpointing(p, "actor"),
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
-                        backend_options=backend_options(p, prompts),
+                        backend_options=backend_options(p, prompts, n_new),
                         groups=layout_now(), rollout_tp=p.engine.rollout.tp,  # tp peers: same prompts, all responses
                         train_engine=engines[0])  # ZeRO-3: its parameters gathered for each rollout
     m.policy.train()
     m.critic.train()
-    stream = prompt_stream(prompts, cfg.rollout_batch_size, p.pipeline.seed)
+    stream = prompt_stream(len(prompts), cfg.rollout_batch_size, p.pipeline.seed)
     log = StepLog("ppo", cfg.iterations, sink)
     loop = Resumable("ppo", out, cfg, *checkpoint_parts({"actor_": engines[0], "critic_": engines[1]}, m.checkpoint),
                      log)
@@ -318,8 +342,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     ledger = MemoryLedger(m.policy.device, models=(m.policy, m.ref, m.critic, m.rm), engines=engines)
     try:
         for it in range(cfg.iterations):
-            batch_prompts = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
-            batch_prompts = dp_share(batch_prompts)  # each dp rank rolls out and scores its share
+            picked = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
+            picked = dp_share(picked)  # each dp rank rolls out and scores its share
+            batch_prompts = [prompts[i] for i in picked]
             if it < start:
                 continue
             fault_point("ppo", it)
@@ -327,14 +352,17 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             torch.manual_seed(p.pipeline.seed * 100_003 + it + 1_000_003 * layout_now().dp_rank)
             t0 = time.perf_counter()
             with ledger.phase("rollout") as mem, m.use("actor"), actor.rollout():
-                responses = actor.generate(batch_prompts, cfg.max_new_tokens, temperature=cfg.temperature,
+                responses = actor.generate(batch_prompts, n_new, temperature=cfg.temperature,
                                            top_k=cfg.top_k, top_p=cfg.top_p)
                 mem.hold("kv_cache", actor.backend.kv_cache_bytes)  # freed when the rollout ends
             t1 = time.perf_counter()
             with ledger.phase("scoring") as mem:
                 m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
                 batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
-                exp = make_experience(cfg, batch, m, tok.eos_token_id, micro)
+                texts = tok.batch_decode(responses, skip_special_tokens=True)
+                scored = sequences([ps.scored(i, t) for i, t in zip(picked, texts)], tok.pad_token_id,
+                                   m.policy.device)
+                exp = make_experience(cfg, batch, scored, m, actor.stop_ids, micro)
             if fault_active("ppo", "nan", it):
                 exp["scores"][0] = float("nan")
             t2 = time.perf_counter()
@@ -350,6 +378,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             metrics = {**dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
                                   "response_length": float(mask.sum(1).mean()),
                                   "ended_fraction": float(exp["ended"].float().mean()),
+                                  "truncated_fraction": truncated_fraction(exp, n_new),
                                   "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"],
                                                                                     mask))}),
                        "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
@@ -358,6 +387,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                        **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
                           if isinstance(v, (int, float)) and not isinstance(v, bool)}, **ledger.metrics()}
             history.append(metrics)
+            warn_truncated(metrics["truncated_fraction"], it, n_new, history)
             log.step(it, stats["policy_loss"], int(dp_sum(int(batch.attention_mask.sum()))), **metrics)
             loop.after_step(it + 1, history=history)
     finally:
@@ -373,8 +403,10 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     first, last = history[:k], history[-k:]
     summary.update({f"{name}_{tag}": sum(h[name] for h in part) / len(part)
                     for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
-                                 "entropy")
+                                 "entropy", "truncated_fraction")
                     for tag, part in (("first", first), ("last", last))})
+    summary.update(max_new_tokens=n_new,
+                   truncated_iterations=sum(h["truncated_fraction"] > TRUNCATED_WARN for h in history))
     with m.use("actor"):  # every rank: tp shards are gathered, rank 0 writes
         export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
                {"value_head": m.shared.head} if m.shared is not None else None)

@@ -1,7 +1,8 @@
 """Reward model: the SFT model with a one-output score head, trained on preference pairs.
 
-Bradley-Terry loss -log sigmoid(r_chosen - r_rejected); the score is read at each sequence's last
-real token, as AutoModelForSequenceClassification pools it. Held-out pairwise accuracy is reported.
+Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) over whole texts (prompt + response, or the rendered
+conversation), the score read where AutoModelForSequenceClassification pools, so the exported folder scores a text
+under plain transformers as it did here (stages/examples.py). Held-out pairwise accuracy is reported.
 """
 from __future__ import annotations
 
@@ -10,52 +11,46 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
-from hybridcore.forward import sequence_scores
+from hybridcore.batch import micro_batches, shuffled_batches
+from hybridcore.forward import sequence_scores, sequences
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import dp_share, dp_sum
 from stages import data
+from stages.examples import PairExamples, pair_examples
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
-from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, export, finite,
+from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, context_of, export, finite,
                            load_scorer, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
-def pair_scores(model, prompts, chosen, rejected, pad_id):
-    """Scores of chosen and rejected responses, both in one forward pass."""
-    batch = pack(prompts + prompts, chosen + rejected, pad_id, model.device)
-    scores = sequence_scores(model, batch)
-    n = len(prompts)
+def pair_scores(model, chosen, rejected, pad_id):
+    """Scores of the chosen and the rejected sequences (whole RM inputs), both in one forward pass."""
+    scores = sequence_scores(model, sequences(chosen + rejected, pad_id, model.device))
+    n = len(chosen)
     return scores[:n], scores[n:]
 
 
 @torch.no_grad()
-def heldout_accuracy(model, prompts, chosen, rejected, pad_id, micro: int) -> dict:
+def heldout_accuracy(model, pairs: PairExamples, pad_id, micro: int) -> dict:
     model.eval()
     wins, margins = [], []
-    for s in micro_batches(len(prompts), micro):
-        c, r = pair_scores(model, prompts[s], chosen[s], rejected[s], pad_id)
+    for s in micro_batches(len(pairs.chosen), micro):
+        c, r = pair_scores(model, pairs.chosen[s], pairs.rejected[s], pad_id)
         wins.append((c > r).float())
         margins.append(c - r)
     model.train()
     return {"heldout_accuracy": float(torch.cat(wins).mean()), "heldout_margin": float(torch.cat(margins).mean())}
 
 
-def encode_pairs(tok, ds, max_len, what):
-    prompts, chosen = encode(tok, ds["prompt"], ds["chosen"], max_len, what)
-    _, rejected = encode(tok, ds["prompt"], ds["rejected"], max_len, what)
-    return prompts, chosen, rejected
-
-
-def probe(model, prompts, chosen, rejected, pad_id):
+def probe(model, pairs: PairExamples, pad_id):
     """The memory planner's probe: one real micro-step of `rows` copies of the longest pair."""
-    j = max(range(len(prompts)), key=lambda j: len(prompts[j]) + max(len(chosen[j]), len(rejected[j])))
+    j = max(range(len(pairs.chosen)), key=lambda j: max(len(pairs.chosen[j]), len(pairs.rejected[j])))
 
     def micro_step(rows: int) -> None:
         try:
-            c, r = pair_scores(model, [prompts[j]] * rows, [chosen[j]] * rows, [rejected[j]] * rows, pad_id)
+            c, r = pair_scores(model, [pairs.chosen[j]] * rows, [pairs.rejected[j]] * rows, pad_id)
             (-F.logsigmoid(c - r).mean()).backward()
         finally:  # also after an out-of-memory error: no gradient may reach the first real step
             model.zero_grad(set_to_none=True)
@@ -69,14 +64,15 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     model = tp_split(p, load_scorer(p, inputs["sft"] / "model", "reward", tok.pad_token_id))  # score head whole
     model, peft = with_lora(p, model, "reward", keep_trainable=("score",))
     split = data.load("preferences", p)
-    prompts, chosen, rejected = encode_pairs(tok, split.train, cfg.max_seq_len, "data.preferences")
-    held = encode_pairs(tok, split.heldout, cfg.max_seq_len, "data.preferences (held out)")
-    steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "reward.batch_size")
+    conv, positions = data.is_conversational(split.train, "preferences"), context_of(model)
+    pairs = pair_examples(tok, split.train, conv, cfg.max_seq_len, data.source(p, "preferences"), positions)
+    held = pair_examples(tok, split.heldout, conv, cfg.max_seq_len, data.source(p, "preferences"), positions)
+    steps = total_steps(len(pairs.chosen), cfg.batch_size, cfg.epochs, "reward.batch_size")
     set_activation_checkpointing(model, checkpointing(p, "reward"))
     model.train()
     micro, layout, plan_metrics = planned(p, "reward", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
                                           [model], [q for q in model.parameters() if q.requires_grad],
-                                          probe(model, prompts, chosen, rejected, tok.pad_token_id), sink)
+                                          probe(model, pairs, tok.pad_token_id), sink)
     engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
                      min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
     assert_frozen("reward", {"model": model}, [engine.trained])
@@ -84,7 +80,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     loop = Resumable("reward", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
     backoff = OomBackoff("reward", micro)
-    for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
+    for i, idx in enumerate(shuffled_batches(len(pairs.chosen), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("reward", i)
@@ -95,8 +91,8 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
             if s.start == 0:  # a step redone at a smaller micro-batch counts its hits again from zero
                 correct[0] = 0.0
             rows = mine[s]
-            c, r = engine.forward(pair_scores, model, [prompts[j] for j in rows], [chosen[j] for j in rows],
-                                  [rejected[j] for j in rows], tok.pad_token_id)
+            c, r = engine.forward(pair_scores, model, [pairs.chosen[j] for j in rows],
+                                  [pairs.rejected[j] for j in rows], tok.pad_token_id)
             loss = -F.logsigmoid(c - r).sum() / len(idx)
             engine.backward(loss)
             correct[0] += float((c > r).sum())
@@ -105,14 +101,15 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         total, correct[0] = dp_sum([backoff.run(i, len(mine), micro_step, engine.zero_grad), correct[0]])
         if finite("reward", i, cfg.on_nonfinite, loss=total):
             norm = engine.step()
-            n_tokens = sum(len(prompts[j]) * 2 + len(chosen[j]) + len(rejected[j]) for j in idx)
+            n_tokens = sum(len(pairs.chosen[j]) + len(pairs.rejected[j]) for j in idx)
             log.step(i, total, n_tokens, accuracy=correct[0] / len(idx), lr=engine.lr, grad_norm=norm,
                      micro_batch=backoff.micro_batch)
         else:
             engine.zero_grad()
         loop.after_step(i + 1)
-    metrics = {**log.close(), **optimizer_metrics({"": engine})}
-    metrics.update(heldout_accuracy(model, *held, tok.pad_token_id, micro), **plan_metrics)
+    metrics = {**log.close(), **optimizer_metrics({"": engine}),
+               "longest_response_tokens": max(pairs.longest_reply, held.longest_reply)}  # PPO's max_new_tokens
+    metrics.update(heldout_accuracy(model, held, tok.pad_token_id, micro), **plan_metrics)
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
     export(p, "reward", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes

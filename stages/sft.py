@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: causal-LM loss on response tokens only (the prompt is masked).
+"""Supervised fine-tuning: causal-LM loss on response tokens only (the prompt is masked; in a conversation, every
+assistant turn and nothing else: stages/examples.py).
 
 AdamW with warm-up and cosine decay (plain torch, or DeepSpeed ZeRO as engine.layout says), gradient
 accumulation over micro-batches; the loss is the mean over every response token of the whole batch, whatever
@@ -10,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from hybridcore.batch import encode, micro_batches, pack, shuffled_batches
+from hybridcore.batch import micro_batches, pack, right_pad, shuffled_batches
 from hybridcore.forward import response_nll
 from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import dp_share, dp_sum
 from stages import data
+from stages.examples import SftExamples, sft_examples
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, checkpointing, export,
+from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, checkpointing, context_of, export,
                            finite, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
@@ -27,14 +29,24 @@ def token_losses(model, batch):
     return response_nll(model, batch)
 
 
+def loss_mask(ex: SftExamples, rows: list[int], batch) -> torch.Tensor:
+    """1 on the tokens that carry loss ([B, R], on the batch's device): a standard response whole, a conversation's
+    assistant turns only."""
+    return right_pad([ex.masks[j] for j in rows], 0, batch.response_mask.shape[1])[0].to(batch.input_ids.device)
+
+
+def rows_batch(ex: SftExamples, rows: list[int], pad_id: int, device):
+    batch = pack([ex.prompts[j] for j in rows], [ex.responses[j] for j in rows], pad_id, device)
+    return batch, loss_mask(ex, rows, batch)
+
+
 @torch.no_grad()
-def evaluate(model, prompts, responses, pad_id, micro: int) -> dict:
+def evaluate(model, ex: SftExamples, pad_id, micro: int) -> dict:
     model.eval()
     loss_sum = hits = n = 0.0
-    for s in micro_batches(len(prompts), micro):
-        batch = pack(prompts[s], responses[s], pad_id, model.device)
+    for s in micro_batches(len(ex.prompts), micro):
+        batch, m = rows_batch(ex, list(range(s.start, s.stop)), pad_id, model.device)
         loss, hit = token_losses(model, batch)
-        m = batch.response_mask
         loss_sum += float((loss * m).sum())
         hits += float((hit * m).sum())
         n += float(m.sum())
@@ -42,15 +54,15 @@ def evaluate(model, prompts, responses, pad_id, micro: int) -> dict:
     return {"heldout_loss": loss_sum / n, "heldout_token_accuracy": hits / n}
 
 
-def probe(model, prompts, responses, pad_id):
+def probe(model, ex: SftExamples, pad_id):
     """The memory planner's probe: one real micro-step (forward + backward) of `rows` copies of the longest row."""
-    j = max(range(len(prompts)), key=lambda j: len(prompts[j]) + len(responses[j]))
+    j = max(range(len(ex.prompts)), key=lambda j: len(ex.prompts[j]) + len(ex.responses[j]))
 
     def micro_step(rows: int) -> None:
         try:
-            batch = pack([prompts[j]] * rows, [responses[j]] * rows, pad_id, model.device)
+            batch, mask = rows_batch(ex, [j] * rows, pad_id, model.device)
             loss, _ = token_losses(model, batch)
-            ((loss * batch.response_mask).sum() / batch.response_mask.sum()).backward()
+            ((loss * mask).sum() / mask.sum()).backward()
         finally:  # also after an out-of-memory error: no gradient may reach the first real step
             model.zero_grad(set_to_none=True)
     return micro_step
@@ -62,15 +74,15 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     tok, model = base_model(p)
     model, peft = with_lora(p, tp_split(p, model), "actor")
     split = data.load("sft", p)
-    prompts, responses = encode(tok, split.train["prompt"], split.train["response"], cfg.max_seq_len, "data.sft")
-    h_prompts, h_responses = encode(tok, split.heldout["prompt"], split.heldout["response"], cfg.max_seq_len,
-                                    "data.sft (held out)")
-    steps = total_steps(len(prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
+    conv, positions = data.is_conversational(split.train, "sft"), context_of(model)
+    ex = sft_examples(tok, split.train, conv, cfg.max_seq_len, data.source(p, "sft"), positions)
+    held = sft_examples(tok, split.heldout, conv, cfg.max_seq_len, data.source(p, "sft"), positions)
+    steps = total_steps(len(ex.prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
     set_activation_checkpointing(model, checkpointing(p, "actor"))
     model.train()
     micro, layout, plan_metrics = planned(p, "sft", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
                                           [model], [q for q in model.parameters() if q.requires_grad],
-                                          probe(model, prompts, responses, tok.pad_token_id), sink)
+                                          probe(model, ex, tok.pad_token_id), sink)
     engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
                      min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
     assert_frozen("sft", {"model": model}, [engine.trained])
@@ -78,18 +90,17 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     loop = Resumable("sft", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
     backoff = OomBackoff("sft", micro)
-    for i, idx in enumerate(shuffled_batches(len(prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
+    for i, idx in enumerate(shuffled_batches(len(ex.prompts), cfg.batch_size, cfg.epochs, p.pipeline.seed)):
         if i < start:
             continue
         fault_point("sft", i)
-        n_tokens = sum(len(responses[j]) for j in idx)  # over the global batch: the ranks' gradients sum to dp=1's
+        n_tokens = sum(sum(ex.masks[j]) for j in idx)  # over the global batch: the ranks' gradients sum to dp=1's
         mine = dp_share(idx)  # this dp rank's rows of it
 
         def micro_step(s: slice) -> float:
-            rows = mine[s]
-            batch = pack([prompts[j] for j in rows], [responses[j] for j in rows], tok.pad_token_id, model.device)
+            batch, mask = rows_batch(ex, mine[s], tok.pad_token_id, model.device)
             loss, _ = engine.forward(token_losses, model, batch)  # ZeRO-3 counts its micro-step there
-            loss = (loss * batch.response_mask).sum() / n_tokens
+            loss = (loss * mask).sum() / n_tokens
             if fault_active("sft", "nan", i):
                 loss = loss * float("nan")
             engine.backward(loss)
@@ -102,8 +113,9 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         else:
             engine.zero_grad()
         loop.after_step(i + 1)
-    metrics = {**log.close(), **optimizer_metrics({"": engine}), **plan_metrics}
-    metrics.update(evaluate(model, h_prompts, h_responses, tok.pad_token_id, micro))
+    metrics = {**log.close(), **optimizer_metrics({"": engine}), **plan_metrics,
+               "longest_response_tokens": max(ex.longest_reply, held.longest_reply)}  # PPO's max_new_tokens reads it
+    metrics.update(evaluate(model, held, tok.pad_token_id, micro))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
     export(p, "actor", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes

@@ -40,3 +40,14 @@ def tiny_run(tmp_path_factory) -> PipelineRun:
     seconds = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     return PipelineRun(workdir, json.loads((workdir / "summary.json").read_text()), proc.stdout, seconds)
+
+
+def assert_learns(summary: dict) -> None:
+    """The bars a tiny run must clear: RM held-out accuracy > 0.75; on >= 200 held-out prompts PPO beats SFT on
+    RM reward and on task accuracy by >= 3 points."""
+    s = summary["stages"]
+    assert s["reward"]["metrics"]["heldout_accuracy"] > 0.75
+    ev = s["evaluate"]["metrics"]
+    assert ev["prompts"] >= 200
+    assert ev["ppo_reward"] > ev["sft_reward"]
+    assert ev["ppo_accuracy"] >= ev["sft_accuracy"] + 0.03, ev

@@ -122,7 +122,7 @@ def test_artifacts_plots_table_and_manifest(found, mlflow_ui, two_runs):
             assert "manifest.json" in _artifacts(mlflow_ui, r["info"]["run_id"]), stage
     ev = found["b"]["stages"]["evaluate"]["info"]["run_id"]
     table = json.loads(_download(mlflow_ui, ev, "samples_table.json"))
-    assert {"prompt", "sft_response", "ppo_response", "sft_reward", "ppo_reward"} <= set(table["columns"])
+    assert {"prompt_text", "answer", "sft_response", "ppo_response", "sft_reward", "ppo_reward"} <= set(table["columns"])
     assert len(table["data"]) == 16   # evaluate.samples in params/tiny.yaml
     assert json.loads(_tags(found["b"]["stages"]["evaluate"])["mlflow.loggedArtifacts"])[0]["type"] == "table"
 

@@ -6,11 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from hybridcore.batch import (Batch, encode, left_pad, micro_batches, pack, position_ids, right_pad,
-                              shuffled_batches)
-from hybridcore.errors import InputError
-from hybridcore.forward import (batched, response_logits, response_logprobs, response_values, sequence_scores,
-                                token_scores)
+from hybridcore.batch import Batch, left_pad, micro_batches, pack, position_ids, right_pad, shuffled_batches
+from hybridcore.forward import (batched, pooled_index, response_logits, response_logprobs, response_values,
+                                sequence_scores, sequences, token_scores)
 from hybridcore.models import build_preset, load_sequence_scorer, save_model, train_tokenizer
 
 NAMES = ["mia", "leo", "ana", "tom", "zoe", "max", "ivy", "sam"]
@@ -206,39 +204,22 @@ def test_response_values_shape_and_alignment(scorer, tok, rows):
         assert_close(v[i, :len(r)], alone[len(p) - 1:len(p) + len(r) - 1], atol=1e-4, rtol=0)
 
 
-# ------------------------------------------------------------------------------------------------ encode
-
-
-def test_encode_appends_eos_to_responses(tok):
-    """encode() tokenizes without special tokens and ends every response with exactly one eos."""
-    prompts = ["mia has 3 pears", "leo has 12 figs and gets"]
-    responses = [" 4 more. total: 7", " 1 more"]
-    p_ids, r_ids = encode(tok, prompts, responses)
-    for p, ids in zip(prompts, p_ids):
-        assert ids == tok(p, add_special_tokens=False)["input_ids"]
-        assert tok.eos_token_id not in ids
-    for r, ids in zip(responses, r_ids):
-        assert ids[-1] == tok.eos_token_id
-        assert ids[:-1] == tok(r, add_special_tokens=False)["input_ids"]
-        assert tok.eos_token_id not in ids[:-1]
-    p_only, none = encode(tok, prompts)
-    assert none is None and p_only == p_ids
-
-
-def test_encode_max_len_names_row_and_limit(tok):
-    """A row longer than max_len raises InputError naming the 1-based row and max_seq_len; exact fit passes."""
-    prompts = ["mia has 3 pears", "leo has 12 figs and gets 4 more apples"]
-    responses = [" ok", " total: 16"]
-    p_ids, r_ids = encode(tok, prompts, responses)
-    lens = [len(p) + len(r) for p, r in zip(p_ids, r_ids)]
-    assert lens[1] > lens[0]
-    encode(tok, prompts, responses, max_len=lens[1])  # exactly fits
-    with pytest.raises(InputError, match=rf"row 2 is {lens[1]} tokens.*max_seq_len={lens[1] - 1}"):
-        encode(tok, prompts, responses, max_len=lens[1] - 1, what="sft data")
-    with pytest.raises(InputError, match=r"^sft data: row 1 "):
-        encode(tok, prompts, responses, max_len=lens[0] - 1, what="sft data")
-    with pytest.raises(InputError, match=r"row 2 .*max_seq_len=3"):
-        encode(tok, ["a b", "mia has 3 pears and gets"], max_len=3)
+@torch.no_grad()
+def test_sequence_scores_pool_where_transformers_pools_when_pad_is_eos(scorer, tok, rows):
+    """With pad = EOS (a tokenizer that has no pad token), a row that ends in EOS pools at the token before it, as
+    AutoModelForSequenceClassification does on the unpadded row."""
+    prompts, responses = rows
+    eos = tok.eos_token_id
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    scorer.config.pad_token_id = eos
+    try:
+        ours = sequence_scores(scorer, sequences(seqs, eos))
+        for i, s in enumerate(seqs):
+            alone = scorer(input_ids=torch.tensor([s])).logits[0, 0]
+            assert_close(ours[i], alone.float(), atol=1e-4, rtol=0)
+        assert pooled_index(torch.tensor([[5, 6, eos, eos]]), eos).tolist() == [1]
+    finally:
+        scorer.config.pad_token_id = tok.pad_token_id
 
 
 # ------------------------------------------------------------------------------------------------ batching

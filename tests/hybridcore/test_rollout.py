@@ -295,3 +295,33 @@ def test_optimizer_offload_round_trip(tok, prompts):
 def test_unknown_backend_is_refused(tok):
     with pytest.raises(ValueError, match="native"):
         HybridActor(build_preset("micro", tok, seed=0), tok, backend="vllm-ish")
+
+
+def test_rollouts_stop_at_any_stop_token(tok, prompts, eos_model):
+    """Several stop ids (EOS and a chat template's end of turn): each row ends at the first of either, exactly as
+    generate with a list of eos ids; HybridActor stops at EOS and the template's <|im_end|>."""
+    from hybridcore.batch import left_pad
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    actor = HybridActor(eos_model, tok)
+    hf = HFGenerate(eos_model)
+
+    def gen(backend, stops):
+        with actor.rollout():
+            return backend.generate(ids, mask, MAX_NEW, eos_id=stops, pad_id=tok.pad_token_id, greedy=True)
+
+    free = gen(actor.backend, None)
+    before_eos = [r[:r.index(tok.eos_token_id) if tok.eos_token_id in r else MAX_NEW - 1] for r in free.tolist()]
+    common = Counter(t for r in before_eos for t in r).most_common(1)[0][0]  # a token rows write before they end
+    stops = [tok.eos_token_id, common]
+
+    def upto_stop(out):
+        rows = []
+        for r in out.tolist():
+            end = next((i for i, t in enumerate(r) if t in stops), len(r) - 1)
+            rows.append(r[:end + 1])
+        return rows
+
+    ours = upto_stop(gen(actor.backend, stops))
+    assert ours == upto_stop(gen(hf, stops))
+    assert any(r[-1] == common and len(r) < MAX_NEW for r in ours)
+    assert actor.stop_ids == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]

@@ -66,12 +66,13 @@ def test_cli_error_found_inside_a_stage_exits_2_without_traceback(tmp_path, buil
     rows = [{"prompt": f"mia has {i % 10} pears. total:", "response": " 3"} for i in range(40)]
     rows[7]["prompt"] = "mia has " + "many " * 120 + "pears. total:"
     f = write_jsonl(tmp_path / "long.jsonl", rows)
-    proc = run_cli(["run", "test", *_store(built), "--set", f"data.sft.path={f}"], tmp_path, timeout=300)
+    proc = run_cli(["run", "test", *_store(built), "--set", f"data.sft.path={f}", "--set", "sft.max_seq_len=64"],
+                   tmp_path, timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith("error: ")]
     assert errors == [lines[-1]], proc.stderr[-3000:]
-    assert "data.sft" in errors[0] and "over max_seq_len=64" in errors[0]
+    assert "data.sft" in errors[0] and "over sft.max_seq_len=64" in errors[0]
     assert "Traceback" not in proc.stderr
     assert read_verified(built.artifact) == built.manifest
     assert json.loads((built.artifact / "manifest.json").read_text())["key"] == built.artifact.name

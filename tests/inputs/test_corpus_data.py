@@ -66,7 +66,7 @@ CASES = {
         ["row 2 (line 2): column 'answer' must be a string, got 13"]),
     "an integer Parquet column": (
         "sft", lambda t: _parquet(t / "s.parquet", {"prompt": ["a", "b"], "response": [1, 2]}),
-        ["column 'response' has type int64, expected string"]),
+        ["row 1: column 'response' must be a non-empty string, got 1"]),
     "a null in a Parquet column": (
         "sft", lambda t: _parquet(t / "s.parquet", {"prompt": ["a", None], "response": [" 1", " 2"]}),
         ["row 2: column 'prompt' must be a non-empty string, got None"]),
@@ -110,8 +110,9 @@ def test_prompt_longer_than_max_seq_len_is_found_by_the_stage(built, tmp_path):
     nothing published under its key, and the earlier artifact still verifies."""
     rows = SFT[:5] + [{"prompt": "mia has " + "many " * 120 + "pears. total:", "response": " 1"}] + SFT[5:]
     f = write_jsonl(tmp_path / "long.jsonl", rows)
-    p = params_for(built, {"data": {"sft": {"path": str(f)}}})
+    p = params_for(built, {"data": {"sft": {"path": str(f)}}, "sft": {"max_seq_len": 64}})
     keys = stage_keys(p)
     assert keys["sft"] != built.artifact.name
-    refuse(built, lambda: run_stage(p, "sft", keys), "data.sft", "tokens long, over max_seq_len=64")
+    refuse(built, lambda: run_stage(p, "sft", keys), f"data.sft.path: {f} row 6 (line 6):",
+           "tokens long, over sft.max_seq_len=64")
     assert not (built.root / "sft" / keys["sft"]).exists()

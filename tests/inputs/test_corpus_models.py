@@ -85,9 +85,9 @@ CASES = {
     "a tokenizer.json that is not a tokenizer": (lambda f: (f / "tokenizer.json").write_text('{"version": 1}'),
                                                  ["could not load a tokenizer", "expected a transformers tokenizer"]),
     "a tokenizer without eos": (_no_eos_tokenizer, ["has no eos token"]),
-    "a context shorter than max_seq_len": (lambda f: _edit_config(f, max_position_embeddings=32),
-                                           ["sft.max_seq_len (64) is longer than the model's context",
-                                            "32 positions", "config.json"]),
+    "a context too short for max_new_tokens": (lambda f: _edit_config(f, max_position_embeddings=4),
+                                               ["ppo.max_new_tokens (4) leaves no room for a prompt",
+                                                "4 positions", "config.json"]),
 }
 
 
@@ -118,8 +118,20 @@ def test_row_too_long_for_a_known_tokenizer(built, micro_model, tmp_path):
     rows = [{"prompt": f"mia has {i % 10} pears. total:", "response": " 3"} for i in range(30)]
     rows[2]["prompt"] = "mia has " + "pears and apples " * 40 + "total:"
     f = write_jsonl(tmp_path / "s.jsonl", rows)
+    refuse(built, check(built, {"model": {"path": str(micro_model)}, "data": {"sft": {"path": str(f)}},
+                                "sft": {"max_seq_len": 64}}),
+           "data.sft.path", "row 3 (line 3):", "over sft.max_seq_len=64")
+    rows[2]["prompt"] = "mia has " + "pears and apples " * 90 + "total:"
+    f = write_jsonl(tmp_path / "s.jsonl", rows)
     refuse(built, check(built, {"model": {"path": str(micro_model)}, "data": {"sft": {"path": str(f)}}}),
-           "data.sft.path", "row 3:", "over sft.max_seq_len=64")
+           "data.sft.path", "row 3 (line 3):", "over the model's 256 positions")
+
+
+def test_an_explicit_max_seq_len_past_the_context(built, micro_model, tmp_path):
+    folder = copy_model(micro_model, tmp_path / "model")
+    _edit_config(folder, max_position_embeddings=32)
+    refuse(built, check(built, {"model": {"path": str(folder)}, "sft": {"max_seq_len": 64}}),
+           "sft.max_seq_len (64) is longer than the model's context", "32 positions", "config.json")
 
 
 def test_prompt_plus_new_tokens_past_the_context(built, micro_model, tmp_path):
@@ -129,7 +141,7 @@ def test_prompt_plus_new_tokens_past_the_context(built, micro_model, tmp_path):
     f = write_jsonl(tmp_path / "q.jsonl", rows)
     refuse(built, check(built, {"model": {"path": str(micro_model)}, "data": {"prompts": {"path": str(f)}},
                                 "ppo": {"max_new_tokens": 200}}),
-           "data.prompts.path", "row 1:", "with ppo.max_new_tokens=200", "256 positions")
+           "data.prompts.path", "row 1 (line 1):", "with ppo.max_new_tokens=200", "256 positions")
 
 
 # --- what the same checks let through -------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_prompt_too_long_for_a_tokenizer_trained_by_sft_is_one_line_after_sft(tm
                              "data": {"prompts": {"path": str(prompts)}}})
     keys = stage_keys(p)
     done = [run_stage(p, s, keys) for s in ("sft", "reward")]
-    with pytest.raises(InputError, match=r"^data.prompts: the prompt starting '\d \d \d.*' is \d+ tokens, and with "
+    with pytest.raises(InputError, match=r"^data.prompts.path: .*: the prompt starting '\d \d \d.*' is \d+ tokens, and with "
                                          r"ppo.max_new_tokens=\d+ that exceeds the model's 256 positions"):
         run_stage(p, "ppo", keys)
     assert all(run_stage(p, s, keys).cached for s in ("sft", "reward")) and len(done) == 2

@@ -9,6 +9,7 @@ from datasets import Dataset
 
 from hybridcore.errors import InputError
 from stages import data
+from stages.data import WHERE
 from stages.params import load_params
 
 KINDS = ("sft", "preferences", "prompts")
@@ -202,17 +203,33 @@ def test_prompts_answer_is_the_sum(tiny, tiny_prompts):
     ("", "13", False),
     (" 13", " 13 ", True),
     (" 4 then 13", "13", False),
-    ("anything", None, None),
-    (" 13", None, None),
 ])
-def test_check_answer(response, answer, expected):
-    """check_answer compares the first number in the response with the answer; None without answer."""
-    assert data.check_answer(response, answer) is expected
+def test_first_number_checker(response, answer, expected):
+    """The built-in task's checker: the first number in the response is the answer."""
+    assert data.first_number("p", response, {"answer": answer}) is expected
+
+
+@pytest.mark.parametrize("response, answer, expected", [
+    (" 13", "13", True),
+    ("  a  b\nc ", "a b c", True),
+    (" 13 apples", "13", False),
+    ("1 2 3", "123", False),
+    ("", "", True),
+    ("A b", "a b", False),
+])
+def test_exact_match_checker(response, answer, expected):
+    """Users' prompts: exact match after whitespace normalisation (runs of whitespace are one space, ends trimmed)."""
+    assert data.exact_match("p", response, {"answer": answer}) is expected
 
 
 # --- users' files ---------------------------------------------------------------------------------
 
 SFT_ROWS = [{"prompt": f"question {i}?", "response": f" {i}"} for i in range(20)]
+
+
+def plain(ds) -> list[dict]:
+    """A split's rows without the file position read_table adds (data.WHERE)."""
+    return [{k: v for k, v in r.items() if k != WHERE} for r in ds.to_list()]
 
 
 def test_user_jsonl_sft_splits_by_heldout_fraction(tmp_path):
@@ -221,7 +238,7 @@ def test_user_jsonl_sft_splits_by_heldout_fraction(tmp_path):
     split = data.load("sft", user_params("sft", f))
     assert len(split.heldout) == 2
     assert len(split.train) == 18
-    train, held = split.train.to_list(), split.heldout.to_list()
+    train, held = plain(split.train), plain(split.heldout)
     assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)
     assert sorted(train + held, key=lambda r: r["prompt"]) == sorted(SFT_ROWS, key=lambda r: r["prompt"])
 
@@ -233,7 +250,7 @@ def test_user_parquet_sft_splits_by_heldout_fraction(tmp_path):
     split = data.load("sft", user_params("sft", f, heldout_fraction=0.25))
     assert len(split.heldout) == 5
     assert len(split.train) == 15
-    got = split.train.to_list() + split.heldout.to_list()
+    got = plain(split.train) + plain(split.heldout)
     assert sorted(got, key=lambda r: r["prompt"]) == sorted(SFT_ROWS, key=lambda r: r["prompt"])
 
 
@@ -359,7 +376,8 @@ def test_user_file_missing(tmp_path):
 def test_read_table_returns_whole_file(tmp_path):
     """read_table returns every row of a valid file, unshuffled."""
     f = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
-    assert data.read_table(str(f), "sft").to_list() == SFT_ROWS
+    assert plain(data.read_table(str(f), "sft")) == SFT_ROWS
+    assert data.read_table(str(f), "sft")[WHERE] == [f"row {i} (line {i})" for i in range(1, 21)]
 
 
 def test_corpus_covers_every_text():
