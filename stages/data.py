@@ -63,9 +63,13 @@ def _demonstration(a: int, b: int, rng: random.Random, carry_error_rate: float) 
 
 
 def _wrong_answer(a: int, b: int, rng: random.Random) -> str:
-    s = a + b
-    if s >= 10 and rng.random() < 0.5:
+    """A wrong total as a checker meets them: the demonstrator's dropped carry, a near miss, or anything else.
+    Near misses matter: an RM that never saw one rates them like the right answer, and PPO finds that out."""
+    s, r = a + b, rng.random()
+    if s >= 10 and r < 0.5:
         return f" {s % 10}"
+    if r < 0.75:
+        return f" {rng.choice([x for x in (s - 1, s + 1) if x >= 0])}"
     return f" {rng.choice([x for x in range(19) if x != s])}"
 
 

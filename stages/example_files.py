@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stages import data
 
-SYSTEM = "You add the two numbers in the question. Answer with the total only."
+SYSTEM = "Add the numbers."
 
 
 def _turn(role: str, content: str) -> dict:

@@ -78,6 +78,15 @@ def _once(line: str) -> None:
         say(line)
 
 
+def _longest_run(mask: list[int]) -> int:
+    """The longest stretch of trained tokens: a conversation's longest assistant turn."""
+    best = run = 0
+    for m in mask:
+        run = run + 1 if m else 0
+        best = max(best, run)
+    return best
+
+
 @dataclass
 class SftExamples:
     prompts: list[list[int]]
@@ -98,7 +107,7 @@ def sft_examples(tok, ds, conversational: bool, limit: Optional[int], what: str,
             prompts.append(ids[:k])
             responses.append(ids[k:])
             masks.append(mask[k:])
-            longest = max(longest, reply_tokens(tok, row["messages"], True, at))
+            longest = max(longest, _longest_run(mask))
         else:
             prompts.append(prompt_ids(tok, row["prompt"]))
             responses.append(tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])

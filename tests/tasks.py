@@ -68,7 +68,7 @@ def count_files(folder: Path, seed: int = 0, n_sft: int = 2000, n_prefs: int = 4
 WORDS = ("dog", "cat", "sun", "tree", "river", "stone", "bird", "cloud", "apple", "lamp", "road", "fish", "moon",
          "rain", "wolf", "leaf", "ship", "bell", "sand", "rose", "king", "milk", "door", "fire", "snow", "hill",
          "bread", "chair", "clock", "horse")
-REPEAT_SYSTEM = "You repeat the word the user names, as many times as asked, separated by spaces."
+REPEAT_SYSTEM = "Repeat the word."
 
 
 def _repeat_problem(rng: random.Random) -> tuple[str, str, int]:

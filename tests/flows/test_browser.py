@@ -56,7 +56,7 @@ def test_compare_page_shows_both_runs(mlflow_ui, two_runs, tmp_path):
         assert r.info.run_id in text, r.info.run_id
         assert r.info.run_name in text, r.info.run_name
     assert re.search(r"ppo\.iterations 40 3\b", text), text[:4000]
-    assert re.search(r"ppo\.kl_coef 0\.05 0\.1\b", text), text[:4000]
+    assert re.search(r"ppo\.kl_coef 0\.2 0\.1\b", text), text[:4000]
 
     shot = tmp_path / "compare.png"
     proc = chromium([f"--screenshot={shot}", url], tmp_path / "profile-shot")

@@ -95,12 +95,12 @@ def test_mlflow_parent_and_nested_stage_runs(tiny_run):
     client = MlflowClient(tracking_uri=f"sqlite:///{tiny_run.workdir / 'mlruns' / 'mlflow.db'}")
     parent = client.get_run(tiny_run.summary["mlflow_run_id"])
     assert parent.info.status == "FINISHED"
-    assert parent.data.params["ppo.kl_coef"] == "0.05"
+    assert parent.data.params["ppo.kl_coef"] == "0.2"
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     by_stage = {r.data.tags["stage"]: r for r in children}
     assert set(by_stage) == set(STAGES)
-    assert by_stage["ppo"].data.params["ppo.kl_coef"] == "0.05"
+    assert by_stage["ppo"].data.params["ppo.kl_coef"] == "0.2"
     loss = client.get_metric_history(by_stage["sft"].info.run_id, "loss")
     assert len(loss) == tiny_run.summary["stages"]["sft"]["metrics"]["steps"]
     for name in ("reward", "kl", "clipfrac", "value_loss", "explained_variance", "entropy", "response_length"):

@@ -68,7 +68,7 @@ def test_both_runs_with_params_and_nested_stage_runs(found, two_runs):
     """Each parent has its flattened params and one nested run per stage; the names tell the runs apart."""
     a, b = found["a"], found["b"]
     assert (_params(a["parent"])["ppo.iterations"], _params(b["parent"])["ppo.iterations"]) == ("40", "3")
-    assert (_params(a["parent"])["ppo.kl_coef"], _params(b["parent"])["ppo.kl_coef"]) == ("0.05", "0.1")
+    assert (_params(a["parent"])["ppo.kl_coef"], _params(b["parent"])["ppo.kl_coef"]) == ("0.2", "0.1")
     assert a["parent"]["info"]["run_name"] != b["parent"]["info"]["run_name"]
     assert a["parent"]["info"]["run_name"].startswith("tiny-")
     for run in (a, b):
@@ -157,7 +157,7 @@ def test_compare_cli_shows_differing_params_and_metrics(two_runs):
     lines = proc.stdout.splitlines()
     params = lines[lines.index(next(x for x in lines if x.startswith("params that differ"))):]
     params = params[:params.index("stages (artifact key):")]
-    assert [x.split() for x in params[2:]] == [["ppo.iterations", "40", "3"], ["ppo.kl_coef", "0.05", "0.1"]]
+    assert [x.split() for x in params[2:]] == [["ppo.iterations", "40", "3"], ["ppo.kl_coef", "0.2", "0.1"]]
     sft = next(x for x in lines if x.split()[:1] == ["sft"])
     assert "(ran)" in sft and "(cached)" in sft
     for key in ("sft.train_loss", "reward.heldout_accuracy", "ppo.reward_last", "evaluate.ppo_accuracy"):

@@ -40,6 +40,7 @@ def test_tiny_preset_loads_with_defaults_filled_in():
     assert p.engine.precision == "fp32"
     assert p.sft.epochs == 6
     assert p.ppo.iterations == 40
+    assert p.ppo.kl_coef == 0.2  # the file's own: the schema default (below) is 0.05
     # not in the file: schema defaults
     assert p.pipeline.artifacts_dir == "artifacts"
     assert p.pipeline.stages == ["sft", "reward", "ppo", "evaluate"]
@@ -47,7 +48,7 @@ def test_tiny_preset_loads_with_defaults_filled_in():
     assert p.data.synthetic.carry_error_rate == 0.6
     assert p.data.sft.path is None
     assert p.tracking.experiment == "hybrid-rlhf"
-    assert p.ppo.kl_coef == 0.05
+    assert Params().ppo.kl_coef == 0.05
 
 
 def test_test_preset_loads_with_small_sizes():
