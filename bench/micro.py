@@ -1,5 +1,5 @@
-"""The micro model, batch and step settings shared by the ZeRO, data-parallel and OOM tests (and by the
-torchrun worker), so every comparison trains the same thing."""
+"""The micro model, batch and step settings shared by bench/zero_check.py and the ZeRO, data-parallel, tp, OOM
+and planner tests (and their torchrun workers), so every comparison trains the same thing."""
 from __future__ import annotations
 
 import torch
