@@ -41,7 +41,7 @@ from hybridcore.batch import pack  # noqa: E402
 from hybridcore.ledger import MemoryLedger, quant_state_tensors, storage_bytes  # noqa: E402
 from hybridcore.quant import keep_one_4bit_layout  # noqa: E402
 from hybridcore.shared_base import SharedBase, value_head  # noqa: E402
-from hybridcore.zero import TrainEngine  # noqa: E402
+from hybridcore.engine import make_engine  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20
 CAP_GIB = 22.0
@@ -145,7 +145,7 @@ class Bench:
         self.sb, self.rm = sb, rm
         self.m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
                             "actor", sb, {"reward": self.rm_home} if self.rm_home != device else {})
-        self.engines = [TrainEngine(params, lr=lr, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0,
+        self.engines = [make_engine(params, lr=lr, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0,
                                     max_grad_norm=1.0, micro_batch=2)
                         for params, lr in ((sb.actor_params, 1e-5), (sb.critic_params, 1e-5))]
         self.m.frozen_check([e.trained for e in self.engines])

@@ -5,7 +5,7 @@
 
 Layouts (world = dp x tp, tp fastest): one GPU (the baseline of scaling efficiency), dp-only (ZeRO-2), tp-only,
 dp x tp (ZeRO-2, N >= 4) and rollout tp smaller than training tp. Every layout runs the pipeline's own code:
-parallel.init's groups, tensor_parallel.split_model, zero.TrainEngine, HybridActor (rollout_tp=) and
+parallel.init's groups, tensor_parallel.split_model, engine.make_engine, HybridActor (rollout_tp=) and
 stages/ppo.py's make_experience / update, on random weights, greedy (fp32 layouts must produce the same tokens,
 checked; bf16 ones report their share of equal tokens). JSON and a markdown table go to --out after every layout,
 so a timeout keeps what ran.
@@ -105,7 +105,7 @@ def worker(a) -> None:
     from hybridcore.models import set_activation_checkpointing
     from hybridcore.parallel import Layout, dp_share
     from hybridcore.tensor_parallel import split_model
-    from hybridcore.zero import TrainEngine
+    from hybridcore.engine import make_engine
     from stages.params import PPO
 
     lay = json.loads(a.worker)
@@ -128,7 +128,7 @@ def worker(a) -> None:
     critic = split(build(LlamaForSequenceClassification, s.critic, dtype, dev, seed=2, num_labels=1))
     rm = build(LlamaForSequenceClassification, s.critic, dtype, dev, seed=2, num_labels=1).requires_grad_(False).eval()
     m = ppo.Models(policy, ref, critic, rm, policy, critic, {})
-    engines = [TrainEngine(model, lr=1e-6, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0, max_grad_norm=1.0,
+    engines = [make_engine(model, lr=1e-6, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0, max_grad_norm=1.0,
                            layout=layout, groups=g, micro_batch=s.micro) for model in (policy, critic)]
     m.frozen_check([e.trained for e in engines])
     for model in (policy, critic):

@@ -1,7 +1,7 @@
 """Per-rank bytes of parameters, gradients and optimizer states, measured vs partition formulas, on CPU over gloo.
 
 Why: issue 8 asks for the per-rank memory table against the formulas; the GPU machine has no DeepSpeed, so this
-table is measured here, from the storages each rank's TrainEngine holds (hybridcore/zero.py held_bytes), for
+table is measured here, from the storages each rank's training engine holds (hybridcore/engine.py held_bytes), for
 dp=2 (ZeRO-1/2), tp=2 (plain torch) and dp=2 x tp=2 (ZeRO-0/1/2), one AdamW step of a tiny fp32 Llama.
 Formulas are the ones tests/hybridcore/test_parallel.py and test_tensor_parallel.py assert, written out again here
 from the model's parameter sizes. Prints a Markdown table (CPU/gloo measured, not GPU); exits 1 if any row differs.
@@ -71,7 +71,7 @@ def rank_main(out: Path) -> None:
     import torch
 
     from hybridcore import parallel, tensor_parallel
-    from hybridcore.zero import TrainEngine
+    from hybridcore.engine import make_engine
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     try:
@@ -82,7 +82,7 @@ def rank_main(out: Path) -> None:
             m = model()
             if tp > 1:
                 tensor_parallel.split_model(m, groups.tp_group, tp, groups.tp_rank)
-            engine = TrainEngine(m, lr=1e-3, total_steps=2, warmup_ratio=0.0, max_grad_norm=1.0, layout=groups.layout,
+            engine = make_engine(m, lr=1e-3, total_steps=2, warmup_ratio=0.0, max_grad_norm=1.0, layout=groups.layout,
                                  groups=groups, micro_batch=MICRO, cpu_adam=False)
             ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
             per = BATCH // dp

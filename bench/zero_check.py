@@ -1,7 +1,7 @@
-"""GPU check of TrainEngine (hybridcore/zero.py): where each layout keeps optimizer states, gradients and
-parameters, measured from the storages it holds, and that every layout's step lands on plain AdamW's weights.
+"""GPU check of the training engines (hybridcore/engine.py, zero.py): where each layout keeps optimizer states,
+gradients and parameters, measured from the storages it holds, and that every layout's step lands on plain AdamW's weights.
 
-One process, the micro model of tests/hybridcore/zero_fixtures.py, one step of 4 micro-batches. Needs torch,
+One process, the micro model of bench/micro.py, one step of 4 micro-batches. Needs torch,
 transformers and the deepspeed wheel (carried; see bench/README.md). Writes $OUT/zero_check.json.
     python bench/zero_check.py
 """
@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridcore.parallel import Layout  # noqa: E402
-from hybridcore.zero import TrainEngine, _storages  # noqa: E402
-from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss  # noqa: E402
+from hybridcore.engine import make_engine, storages  # noqa: E402
+from bench.micro import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss  # noqa: E402
 
 LAYOUTS = {"torch": Layout(), "zero2": Layout(zero_stage=2),
            "zero2-offload": Layout(zero_stage=2, offload_optimizer=True),
@@ -25,7 +25,7 @@ def main() -> None:
     dev = torch.device("cuda")
     res, ref = {"n_params": sum(p.numel() for p in micro_model().parameters()), "gpu": torch.cuda.get_device_name()}, None
     for name, layout in LAYOUTS.items():
-        e = TrainEngine(micro_model().to(dev), layout=layout, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
+        e = make_engine(micro_model().to(dev), layout=layout, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
         ids = batch().to(dev)
         n = ids[:, 1:].numel()
         for s in range(0, BATCH, MICRO):
@@ -33,9 +33,9 @@ def main() -> None:
         norm = e.step()
         by = {}
         for kind, ts in e.held_tensors().items():
-            st = _storages(ts)
+            st = storages(ts)
             by[kind] = {d: sum(b for b, k in st.values() if k == d) for d in ("cuda", "cpu")}
-        w = {k: v.float().cpu() for k, v in e.full_state_dict().items()}
+        w = {k: v.float().cpu() for k, v in e.whole_state_dict().items()}
         ref = ref or w
         res[name] = {"grad_norm": norm, "optimizer_bytes": e.optimizer_bytes(), "by_device": by,
                      "max_abs_diff_vs_torch": max((w[k] - ref[k]).abs().max().item() for k in ref)}

@@ -59,7 +59,7 @@ class Checkpointer:
 
     def save(self, step: int, models: dict, stateful: dict, state: dict, engines: Optional[dict] = None) -> Path:
         """models: name -> nn.Module; stateful: name -> object with state_dict() (optimizers, schedules);
-        state: JSON-able loop state; engines: name -> TrainEngine under DeepSpeed (save(folder)/load(folder)).
+        state: JSON-able loop state; engines: name -> an Engine that owns its weights (save(folder)/load(folder)).
         Everything goes to a temp folder that is renamed only when complete, so a
         failed write (a full disk) leaves the previous checkpoints as they were; it raises CheckpointWriteError."""
         # several ranks: DeepSpeed's save is collective (each rank writes its shard), rank 0 does the rest

@@ -37,6 +37,9 @@ class TrainingFault(RuntimeError):
         super().__init__(one_line(str(message)))
 
 
+SHARDING_ISSUE = "the 3D sharding issue (#8)"  # where what a layout cannot do yet is tracked
+
+
 class NotYetSupported(InputError):
     """An option whose code has not landed yet: refused up front instead of silently ignored."""
 

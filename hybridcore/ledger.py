@@ -86,7 +86,7 @@ class MemoryLedger:
     """Per-phase peaks and held bytes for one stage run on one device.
 
     models: modules whose parameters (and quantisation states) are weights and whose .grad are gradients;
-    engines: hybridcore.zero.TrainEngine-likes (held_tensors()) for optimizer states and ZeRO's gradient
+    engines: hybridcore.engine.Engine objects (held_tensors()) for optimizer states and ZeRO's gradient
     partitions; kv_cache: a callable giving the KV-cache bytes held now (0 outside rollout). A phase entered
     again before `metrics()` (one actor pass per minibatch) keeps its highest peak and adds its seconds."""
 

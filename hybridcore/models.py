@@ -317,10 +317,12 @@ def resident(model, device, home=None):
         model.to(home)
 
 
-def save_model(model, tokenizer, out_dir: Path) -> None:
-    """HF format with safetensors weights, loadable by from_pretrained and vLLM."""
+def save_model(model, tokenizer, out_dir: Path, state_dict: dict | None = None) -> None:
+    """HF format with safetensors weights, loadable by from_pretrained and vLLM; `state_dict` (whole weights
+    gathered from a sharded layout) in place of the model's own."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True,
+                          state_dict=None if state_dict is None else dict(state_dict))  # save_pretrained empties it
     tokenizer.save_pretrained(out_dir)
 
 

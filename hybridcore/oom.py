@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hybridcore.batch import micro_batches
-from hybridcore.errors import TrainingFault
+from hybridcore.errors import SHARDING_ISSUE, TrainingFault
 from hybridcore.interrupts import oom_point
 
 
@@ -58,7 +58,7 @@ class OomBackoff:
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise TrainingFault(f"{self.stage}: out of memory at step {step} with micro-batch {self.micro_batch} "
                                 f"on rank {dist.get_rank()} of {dist.get_world_size()}; backing off across ranks is "
-                                f"not supported yet (the 3D sharding issue, #8): lower the micro-batch size") from error
+                                f"not supported yet ({SHARDING_ISSUE}): lower the micro-batch size") from error
         if self.micro_batch == 1:
             raise TrainingFault(f"{self.stage}: out of memory at step {step} even with micro-batch 1; lower "
                                 f"max_seq_len, or turn on activation checkpointing, ZeRO or offload") from error

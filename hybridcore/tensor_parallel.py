@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcore.errors import InputError, NotYetSupported
+from hybridcore.errors import SHARDING_ISSUE, InputError, NotYetSupported
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -179,13 +179,13 @@ def split_model(model: nn.Module, group, size: int, rank: int) -> nn.Module:
     blocks = list(_blocks(model))
     if not blocks:
         raise NotYetSupported(f"tensor parallelism for {type(model).__name__} (no q/k/v/o_proj and "
-                              f"gate/up/down_proj linears found)", "the 3D sharding issue (#8)")
+                              f"gate/up/down_proj linears found)", SHARDING_ISSUE)
     for m, names in blocks:
         for n in names:
             lin = getattr(m, n)
             if type(lin) is not nn.Linear:
                 raise NotYetSupported(f"tensor parallelism over a {type(lin).__name__} ({n}: LoRA or quantised "
-                                      f"linears)", "the 3D sharding issue (#8): tp=1 for LoRA / 4-bit / 8-bit")
+                                      f"linears)", f"{SHARDING_ISSUE}: tp=1 for LoRA / 4-bit / 8-bit")
     for m, names in blocks:
         for n in names:
             setattr(m, n, ParallelLinear(getattr(m, n), "column" if n in COLUMN else "row", group, size, rank))

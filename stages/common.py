@@ -140,35 +140,24 @@ def checkpointed(model, peft):
     return model if peft is None else TrainableState.of(model)
 
 
-def export(p, role: str, model, peft, tok, out: Path, adapter: str = "default", extra: Optional[dict] = None) -> None:
+def export(p, role: str, engine, model, peft, tok, out: Path, adapter: str = "default",
+           extra: Optional[dict] = None) -> None:
     """model/ as a plain HF folder (adapters merged, quantisation not baked in); adapter/ when adapters exist.
-    Call it on every rank: one writer (global rank 0); a tensor-parallel model's shards are gathered to it first
-    (every rank of data-parallel replica 0 takes part), so the artifact is one whole HF folder whatever the layout."""
+    Call it on every rank: `engine` (the one training `model`) gathers the whole weights where its layout shards
+    them (ZeRO-3 partitions, tp shards), and global rank 0 writes, so the artifact is one whole HF folder whatever
+    the layout."""
     from hybridcore.parallel import current
-    from hybridcore.tensor_parallel import consolidated_state_dict, split_size
     stop_at_end_of_turn(model, tok)
-    if split_size(model) > 1:  # LoRA and quantisation are refused with tp > 1 (stages/params.py)
-        state = consolidated_state_dict(model, current())
-        if state is not None:
-            (out / "model").mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out / "model", state_dict=dict(state), safe_serialization=True)  # a copy: emptied
-            tok.save_pretrained(out / "model")
-        return
-    from hybridcore.zero import is_partitioned, zero3_state_dict
-    if is_partitioned(model):  # ZeRO-3 (full fine-tunes only): every rank takes part in the gather
-        state = zero3_state_dict(model)
+    if peft is not None:  # adapters are refused under ZeRO-3 and tp > 1; ZeRO-1/2 keep them whole on every rank
         if current().is_main:
-            (out / "model").mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out / "model", state_dict=state, safe_serialization=True)
-            tok.save_pretrained(out / "model")
+            save_merged(model, tok, out / "model", adapter, DTYPES[role_precision(p, role)])
+            save_adapters(peft, out / "adapter", extra)
         return
-    if not current().is_main:  # ZeRO-1/2 keep the whole weights on every rank
-        return
-    if peft is None:
-        save_model(model, tok, out / "model")
-        return
-    save_merged(model, tok, out / "model", adapter, DTYPES[role_precision(p, role)])
-    save_adapters(peft, out / "adapter", extra)
+    if engine.module is not model:
+        raise ValueError(f"export: the {role}'s engine trains another module than the one exported")
+    state = engine.whole_state_dict(copy=False)
+    if state is not None and current().is_main:
+        save_model(model, tok, out / "model", state)
 
 
 def stop_at_end_of_turn(model, tok) -> None:
@@ -260,9 +249,9 @@ def trainer(p, model, *, lr: float, steps: int, warmup_ratio: float, min_lr_rati
     """`model`'s optimizer, schedule and step as engine.layout says (or `layout`, when the memory planner turned on
     offload): plain torch AdamW, or DeepSpeed ZeRO-1/2 (optimizer states optionally on the CPU), over this process's
     dp and tp groups (a tp-split `model` is clipped and checkpointed per tp shard)."""
+    from hybridcore.engine import make_engine
     from hybridcore.parallel import Layout, current
-    from hybridcore.zero import TrainEngine
-    return TrainEngine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
+    return make_engine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
                        max_grad_norm=max_grad_norm, weight_decay=weight_decay,
                        layout=Layout.of(layout if layout is not None else p.engine.layout), micro_batch=micro_batch,
                        groups=current())
@@ -279,18 +268,6 @@ def planned(p, stage: str, batch_size: int, configured: int, models, trained, pr
                               p.engine.layout, device(p), probe, say)
     sink.log(plan.metrics(), 0)
     return plan.micro_batch, layout, plan.metrics()
-
-
-def checkpoint_parts(engines: dict, models: dict) -> tuple[dict, dict, dict]:
-    """(models, stateful, engines) for Resumable, engines keyed by a name prefix: plain torch checkpoints the
-    models' weights and each optimizer and schedule; DeepSpeed engines, and tensor-parallel ones (each tp rank holds
-    other shards), write their own files per rank, weights included."""
-    if all(e.ds is None and e.layout.tp == 1 for e in engines.values()):
-        stateful = {}
-        for prefix, e in engines.items():
-            stateful.update({f"{prefix}optimizer": e.optimizer, f"{prefix}schedule": e.scheduler})
-        return models, stateful, {}
-    return {}, {}, {f"{prefix}engine": e for prefix, e in engines.items()}
 
 
 def optimizer_metrics(engines: dict) -> dict[str, float]:

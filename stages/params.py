@@ -13,7 +13,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
                       model_validator)
 
-from hybridcore.errors import InputError, NotYetSupported
+from hybridcore.errors import InputError
 
 PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
 STAGES = ("sft", "reward", "ppo", "evaluate")
@@ -379,12 +379,9 @@ def check_layout(p: Params) -> None:
         return
     from hybridcore.parallel import Layout as Plain, validate  # torch: only when a layout is asked for
     validate(Plain.of(lay))
-    if lay.tp > 1:
-        check_tensor_parallel(p)
+    check_layout_features(p)
     if lay.dp > 1:
-        check_data_parallel(p)
-    if lay.zero_stage == 3:
-        check_zero3(p)
+        check_dp_batches(p)
     if lay.zero_stage == 0:
         return
     # ZeRO-1/2 over LoRA adapters (+ a value head) on a frozen, possibly quantised or shared base: DeepSpeed sees
@@ -397,49 +394,25 @@ def check_layout(p: Params) -> None:
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO
 
 
-def check_zero3(p: Params) -> None:
-    """ZeRO-3 (tp=1; validate() refuses tp > 1): full fine-tunes whose training forwards run through DeepSpeed's
-    engine, rolled out by the native backend from parameters gathered in place (hybridcore/actor.py)."""
+def check_layout_features(p: Params) -> None:
+    """What the layout cannot do yet, read from the one table the engines and the hybrid actor read too
+    (hybridcore/engine.py limits): with dp > 1, tp > 1 or ZeRO-3, full fine-tunes (no adapters, quantised roles or
+    share_base) without the planner; dp > 1 and tp > 1 roll out natively without optimizer offload; ZeRO-3 rolls
+    out natively from parameters gathered in place (hybridcore/zero.py). The model's heads and widths are checked
+    against tp where its config is read (stages/checks.py)."""
+    from hybridcore.engine import refuse_unsupported
     e = p.engine
     roles = [getattr(e.roles, r) for r in TRAINED]
-    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
-        raise NotYetSupported("engine.layout.zero_stage=3 with LoRA, quantised roles or share_base (ZeRO-3 would "
-                              "partition the frozen base the adapters' forwards read whole)",
-                              "the 3D sharding issue (#8)")
-    if e.rollout.backend != "native":
-        raise NotYetSupported(f"engine.layout.zero_stage=3 with engine.rollout.backend={e.rollout.backend}",
-                              "the 3D sharding issue (#8): use the native backend")
-    if e.memory_budget_gib is not None:
-        raise NotYetSupported("engine.layout.zero_stage=3 with engine.memory_budget_gib (the planner's probe runs "
-                              "on whole parameters)", "the memory issue (#5)")
+    refuse_unsupported(e.layout, {
+        "adapters": e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles),
+        "rollout_backend": e.rollout.backend if e.rollout.backend != "native" else None,
+        "rollout_offload": e.rollout.offload_optimizer,
+        "planner": e.memory_budget_gib is not None})
 
 
-def check_tensor_parallel(p: Params) -> None:
-    """tp > 1: full fine-tunes of plain nn.Linear layers (hybridcore/tensor_parallel.py splits those only) with the
-    native rollout; the model's heads and widths are checked against tp where its config is read (stages/checks.py)."""
-    check_ranks(p, f"engine.layout.tp={p.engine.layout.tp}")
-
-
-def check_ranks(p: Params, what: str) -> None:
-    """What dp > 1 and tp > 1 both refuse for now: adapters or quantised roles, other rollout paths, the planner
-    (each rank would probe on its own, out of step with the others)."""
-    e = p.engine
-    roles = [getattr(e.roles, r) for r in TRAINED]
-    if e.share_base or any(r.lora is not None or r.quantization != "none" for r in roles):
-        raise NotYetSupported(f"{what} with LoRA, quantised roles or share_base", "the 3D sharding issue (#8)")
-    if e.rollout.backend != "native" or e.rollout.offload_optimizer:
-        raise NotYetSupported(f"{what} with engine.rollout.backend={e.rollout.backend} or "
-                              f"engine.rollout.offload_optimizer=true", "the 3D sharding issue (#8)")
-    if e.memory_budget_gib is not None:
-        raise NotYetSupported(f"{what} with engine.memory_budget_gib (the planner across ranks)",
-                              "the 3D sharding issue (#8)")
-
-
-def check_data_parallel(p: Params) -> None:
-    """dp > 1 (a torchrun job, stages/launch.py): full fine-tunes with the native rollout, every batch split into
-    equal shares per rank."""
+def check_dp_batches(p: Params) -> None:
+    """dp > 1 (a torchrun job, stages/launch.py): every batch split into equal shares per rank."""
     dp = p.engine.layout.dp
-    check_ranks(p, f"engine.layout.dp={dp}")
     for field, value in (("sft.batch_size", p.sft.batch_size), ("reward.batch_size", p.reward.batch_size),
                          ("ppo.rollout_batch_size", p.ppo.rollout_batch_size),
                          ("ppo.minibatch_size", p.ppo.minibatch_size)):

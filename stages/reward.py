@@ -21,7 +21,8 @@ from stages import data
 from stages.examples import PairExamples, pair_examples
 from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
-from stages.common import (Resumable, StepLog, checkpoint_parts, checkpointed, checkpointing, context_of, export, finite,
+from hybridcore.engine import checkpoint_parts
+from stages.common import (Resumable, StepLog, checkpointed, checkpointing, context_of, export, finite,
                            load_scorer, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
@@ -112,5 +113,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(heldout_accuracy(model, held, tok.pad_token_id, micro), **plan_metrics)
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    export(p, "reward", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
+    export(p, "reward", engine, model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
     return metrics

@@ -20,7 +20,8 @@ from hybridcore.parallel import dp_share, dp_sum
 from stages import data
 from stages.examples import SftExamples, sft_examples
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, base_model, checkpoint_parts, checkpointed, checkpointing, context_of, export,
+from hybridcore.engine import checkpoint_parts
+from stages.common import (Resumable, StepLog, base_model, checkpointed, checkpointing, context_of, export,
                            finite, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 
 
@@ -118,5 +119,5 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     metrics.update(evaluate(model, held, tok.pad_token_id, micro))
     sink.log({k: v for k, v in metrics.items() if k.startswith("heldout")}, steps)
     set_activation_checkpointing(model, False)
-    export(p, "actor", model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
+    export(p, "actor", engine, model, peft, tok, out)  # every rank: tp shards are gathered, rank 0 writes
     return metrics

@@ -51,3 +51,20 @@ def assert_learns(summary: dict) -> None:
     assert ev["prompts"] >= 200
     assert ev["ppo_reward"] > ev["sft_reward"]
     assert ev["ppo_accuracy"] >= ev["sft_accuracy"] + 0.03, ev
+
+
+@pytest.fixture
+def watch_engine_steps(monkeypatch):
+    """watch(record) -> a list that gets record(engine) at every training-engine step taken during the test (so a
+    silently ignored layout cannot pass)."""
+    def watch(record) -> list:
+        from hybridcore.engine import TorchEngine
+        from hybridcore.zero import DeepSpeedEngine
+        seen: list = []
+        for cls in (TorchEngine, DeepSpeedEngine):
+            def spy(self, step=cls.step):
+                seen.append(record(self))
+                return step(self)
+            monkeypatch.setattr(cls, "step", spy)
+        return seen
+    return watch

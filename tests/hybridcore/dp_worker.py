@@ -17,13 +17,13 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hybridcore import parallel  # noqa: E402
-from hybridcore.zero import TrainEngine  # noqa: E402
-from tests.hybridcore.zero_fixtures import BATCH, STEP_KW, batch, micro_model, token_loss  # noqa: E402
+from hybridcore.engine import make_engine  # noqa: E402
+from bench.micro import BATCH, STEP_KW, batch, micro_model, token_loss  # noqa: E402
 
 
 def one_step(zero_stage: int, micro: int, groups, out: Path) -> None:
     layout = parallel.Layout(dp=groups.world, zero_stage=zero_stage)
-    engine = TrainEngine(micro_model(), layout=layout, groups=groups, micro_batch=micro, cpu_adam=False, **STEP_KW)
+    engine = make_engine(micro_model(), layout=layout, groups=groups, micro_batch=micro, cpu_adam=False, **STEP_KW)
     ids = batch()
     per_rank = BATCH // groups.world
     mine = ids[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank]
@@ -33,7 +33,7 @@ def one_step(zero_stage: int, micro: int, groups, out: Path) -> None:
     after_backward = engine.held_bytes()
     norm = engine.step()
     after_step = engine.held_bytes()
-    state = engine.full_state_dict()
+    state = engine.whole_state_dict()
     digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
     out.mkdir(parents=True, exist_ok=True)
     if groups.rank == 0:

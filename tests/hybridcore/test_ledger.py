@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridcore.actor import HybridActor
 from hybridcore.ledger import KINDS, MIB, MemoryLedger, quant_state_tensors
-from hybridcore.zero import TrainEngine
+from hybridcore.engine import Engine, make_engine
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 64, 2, 1, 96  # head_dim 32; grouped-query attention (2:1)
 
@@ -28,8 +28,8 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields a tied one once
 
 
-def engine(model) -> TrainEngine:
-    return TrainEngine(model, lr=1e-3, total_steps=10, warmup_ratio=0.0, max_grad_norm=1.0)
+def engine(model) -> Engine:
+    return make_engine(model, lr=1e-3, total_steps=10, warmup_ratio=0.0, max_grad_norm=1.0)
 
 
 def loss_of(model, rows: int = 2, length: int = 16):

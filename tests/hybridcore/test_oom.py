@@ -9,8 +9,8 @@ from hybridcore.errors import TrainingFault
 from hybridcore.interrupts import FAULT_ENV
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import Layout
-from hybridcore.zero import TrainEngine
-from tests.hybridcore.zero_fixtures import BATCH, STEP_KW, batch, micro_model, token_loss
+from hybridcore.engine import make_engine
+from bench.micro import BATCH, STEP_KW, batch, micro_model, token_loss
 
 
 def train(micro: int, steps: int, fault: str | None, monkeypatch, layout=None):
@@ -20,7 +20,7 @@ def train(micro: int, steps: int, fault: str | None, monkeypatch, layout=None):
     else:
         monkeypatch.delenv(FAULT_ENV, raising=False)
     model = micro_model()
-    engine = TrainEngine(model, layout=layout, cpu_adam=False, **STEP_KW)
+    engine = make_engine(model, layout=layout, cpu_adam=False, **STEP_KW)
     lines: list[str] = []
     backoff = OomBackoff("sft", micro, say=lines.append)
     norms, sizes = [], []
@@ -36,7 +36,7 @@ def train(micro: int, steps: int, fault: str | None, monkeypatch, layout=None):
 
         backoff.run(step, BATCH, micro_step, engine.zero_grad)
         norms.append(engine.step())
-    return engine.full_state_dict(), norms, backoff, lines, sizes
+    return engine.whole_state_dict(), norms, backoff, lines, sizes
 
 
 @pytest.mark.parametrize("layout", [None, Layout(zero_stage=2), Layout(zero_stage=3)], ids=["torch", "zero2", "zero3"])
@@ -45,7 +45,7 @@ def test_injected_oom_halves_micro_batch_and_matches_halved_run(monkeypatch, lay
     # reference: step 0 at micro-batch 4, steps 1-2 at micro-batch 2 (the size the back-off settles on)
     monkeypatch.delenv(FAULT_ENV, raising=False)
     model = micro_model()
-    engine = TrainEngine(model, layout=layout, cpu_adam=False, **STEP_KW)
+    engine = make_engine(model, layout=layout, cpu_adam=False, **STEP_KW)
     ref_norms = []
     for step, micro in zip(range(3), (4, 2, 2)):
         ids = batch(seed=10 + step)
@@ -53,7 +53,7 @@ def test_injected_oom_halves_micro_batch_and_matches_halved_run(monkeypatch, lay
         for s in range(0, BATCH, micro):
             engine.backward(token_loss(engine.model, ids[s:s + micro]) / n)
         ref_norms.append(engine.step())
-    ref = engine.full_state_dict()
+    ref = engine.whole_state_dict()
     assert backoff.micro_batch == 2 and backoff.backoffs == 1 and backoff.accumulation(BATCH) == 4
     assert len(lines) == 1 and "out of memory at step 1 with micro-batch 4 x 2" in lines[0] \
         and "micro-batch 2 x 4 (same 8 rows per step)" in lines[0], lines

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from hybridcore import parallel
 from hybridcore.errors import InputError, NotYetSupported
 from hybridcore.parallel import Layout
-from hybridcore.zero import DEFAULT_EXTENSIONS_DIR, TrainEngine
-from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss
+from hybridcore.engine import make_engine
+from hybridcore.zero import DEFAULT_EXTENSIONS_DIR
+from bench.micro import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dp_worker.py")
@@ -121,12 +122,12 @@ def torchrun(args: list[str], out: Path, timeout: int = 420, worker: Path = WORK
 def single_process_step(micro: int):
     """The reference: one step of the plain torch engine on the full batch."""
     model = micro_model()
-    engine = TrainEngine(model, cpu_adam=False, **STEP_KW)
+    engine = make_engine(model, cpu_adam=False, **STEP_KW)
     ids = batch()
     n = ids[:, 1:].numel()
     for s in range(0, BATCH, micro):
         engine.backward(token_loss(model, ids[s:s + micro]) / n)
-    return engine.step(), engine.full_state_dict()
+    return engine.step(), engine.whole_state_dict()
 
 
 def partition_formulas(zero_stage: int, rank: int) -> dict[str, int]:

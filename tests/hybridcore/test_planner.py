@@ -14,7 +14,7 @@ from hybridcore.planner import GIB, MARGIN, choose_offload, measure_peak, plan_m
 from stages.keys import stage_keys
 from stages.params import load_params
 from stages.runner import run_stage
-from tests.hybridcore.zero_fixtures import SEQ, VOCAB, micro_model, token_loss
+from bench.micro import SEQ, VOCAB, micro_model, token_loss
 
 SIZES = (1, 2, 4, 8, 16)
 

@@ -18,9 +18,9 @@ from hybridcore.actor import HybridActor
 from hybridcore.errors import InputError, NotYetSupported
 from hybridcore.parallel import Layout
 from hybridcore.reshard import Resharder
-from hybridcore.zero import TrainEngine
+from hybridcore.engine import make_engine
 from tests.hybridcore.tp_worker import NEW_TOKENS, STEPS, TOKENIZER, other_model, prompts, tp_model
-from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, token_loss
+from bench.micro import BATCH, MICRO, STEP_KW, batch, token_loss
 from tests.hybridcore.test_parallel import torchrun as run_ranks
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -103,7 +103,7 @@ def reference_step():
     """STEPS single-process steps of the plain torch engine on the full batches: (norms, weights, a mask of the
     entries whose gradient was nonzero but below 1e-6 in some step, the sum of the steps' learning rates)."""
     model = tp_model()
-    engine = TrainEngine(model, cpu_adam=False, **STEP_KW)
+    engine = make_engine(model, cpu_adam=False, **STEP_KW)
     norms, tiny, lrs = [], {k: torch.zeros_like(p, dtype=torch.bool) for k, p in model.named_parameters()}, 0.0
     for seed in range(1, STEPS + 1):
         ids = batch(seed)
@@ -114,7 +114,7 @@ def reference_step():
             tiny[k] |= (p.grad.abs() < 1e-6) & (p.grad != 0)
         lrs += engine.lr
         norms.append(engine.step())
-    return norms, engine.full_state_dict(), tiny, lrs
+    return norms, engine.whole_state_dict(), tiny, lrs
 
 
 def reference_tokens(state: dict | None = None, kv_heads: int = 2) -> list[list[int]]:
@@ -169,7 +169,7 @@ def test_rollout_tp_must_divide_training_tp():
 
 def test_engine_refuses_an_unsplit_model_for_tp():
     with pytest.raises(ValueError, match=r"engine.layout.tp=2: split the model"):
-        TrainEngine(tp_model(), layout=Layout(tp=2), cpu_adam=False, **STEP_KW)
+        make_engine(tp_model(), layout=Layout(tp=2), cpu_adam=False, **STEP_KW)
 
 
 # ------------------------------------------------------------------------------------------- tp = 2

@@ -1,4 +1,4 @@
-"""TrainEngine in one process: ZeRO-2 with CPU optimizer offload trains like plain AdamW, DeepSpeedCPUAdam
+"""The training engines in one process: ZeRO-2 with CPU optimizer offload trains like plain AdamW, DeepSpeedCPUAdam
 included; checkpoints resume exactly; ZeRO-3 refuses what it would get wrong."""
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import torch
 from hybridcore import optim
 from hybridcore.errors import InputError, NotYetSupported
 from hybridcore.parallel import Layout
-from hybridcore.zero import TrainEngine, backend_for, ds_config
-from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss
+from hybridcore.engine import Engine, backend_for, make_engine
+from hybridcore.zero import ds_config
+from bench.micro import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss
 
 F32 = 4
 
 
-def train(engine: TrainEngine, steps: int, first: int = 0) -> list[float]:
+def train(engine: Engine, steps: int, first: int = 0) -> list[float]:
     norms = []
     for step in range(first, first + steps):
         ids = batch(seed=100 + step)
@@ -56,7 +57,7 @@ def test_zero2_cpu_offload_matches_plain_adamw(cpu_adam):
     """3 steps of 4 micro-batches. Tolerance 1e-5 absolute on weights (measured: 2e-7 with torch AdamW on the
     offloaded partition, 1e-6 with DeepSpeedCPUAdam's vectorised update), 1e-5 relative on grad norms."""
     ref_norms, ref, ref_lr = plain(3)
-    engine = TrainEngine(micro_model(), layout=Layout(zero_stage=2, offload_optimizer=True), micro_batch=MICRO,
+    engine = make_engine(micro_model(), layout=Layout(zero_stage=2, offload_optimizer=True), micro_batch=MICRO,
                          cpu_adam=cpu_adam, **STEP_KW)
     if cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -66,7 +67,7 @@ def test_zero2_cpu_offload_matches_plain_adamw(cpu_adam):
     norms = train(engine, 3)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert engine.lr == pytest.approx(ref_lr, rel=1e-12)
-    got = engine.full_state_dict()
+    got = engine.whole_state_dict()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     # optimizer states: fp32 master + two moments of every parameter (+ torch AdamW's step scalar per group)
@@ -81,30 +82,30 @@ def test_zero2_cpu_offload_matches_plain_adamw(cpu_adam):
                          ids=["torch", "zero2-offload"])
 def test_save_and_load_resume_exactly(tmp_path, layout):
     """2 steps, save, a fresh engine loads, 1 step == 3 uninterrupted steps (bit for bit on CPU)."""
-    whole = TrainEngine(micro_model(), layout=layout, cpu_adam=False, **STEP_KW)
+    whole = make_engine(micro_model(), layout=layout, cpu_adam=False, **STEP_KW)
     want_norms = train(whole, 3)
-    want = whole.full_state_dict()
-    first = TrainEngine(micro_model(), layout=layout, cpu_adam=False, **STEP_KW)
+    want = whole.whole_state_dict()
+    first = make_engine(micro_model(), layout=layout, cpu_adam=False, **STEP_KW)
     train(first, 2)
     first.save(tmp_path / "ckpt")
-    second = TrainEngine(micro_model(seed=7), layout=layout, cpu_adam=False, **STEP_KW)  # other weights
+    second = make_engine(micro_model(seed=7), layout=layout, cpu_adam=False, **STEP_KW)  # other weights
     second.load(tmp_path / "ckpt")
-    assert second.lr == first.lr != TrainEngine(micro_model(), cpu_adam=False, **STEP_KW).lr  # schedule restored
+    assert second.lr == first.lr != make_engine(micro_model(), cpu_adam=False, **STEP_KW).lr  # schedule restored
     norms = train(second, 1, first=2)
     assert norms == [want_norms[2]]
-    got = second.full_state_dict()
+    got = second.whole_state_dict()
     for k in want:
         assert torch.equal(got[k], want[k]), k
 
 
 def test_layout_needing_more_processes_than_running_is_refused():
     with pytest.raises(InputError, match=r"dp=2 x tp=1 = 2 processes, but this run has 1; start it with torchrun"):
-        TrainEngine(micro_model(), layout=Layout(dp=2, zero_stage=1), cpu_adam=False, **STEP_KW)
+        make_engine(micro_model(), layout=Layout(dp=2, zero_stage=1), cpu_adam=False, **STEP_KW)
 
 
 def test_load_refuses_another_layout(tmp_path):
-    TrainEngine(micro_model(), cpu_adam=False, **STEP_KW).save(tmp_path / "ckpt")
-    other = TrainEngine(micro_model(), layout=Layout(zero_stage=1), cpu_adam=False, **STEP_KW)
+    make_engine(micro_model(), cpu_adam=False, **STEP_KW).save(tmp_path / "ckpt")
+    other = make_engine(micro_model(), layout=Layout(zero_stage=1), cpu_adam=False, **STEP_KW)
     with pytest.raises(NotYetSupported, match=r"resharding.*#8"):
         other.load(tmp_path / "ckpt")
 
@@ -119,10 +120,10 @@ def test_zero3_accumulates_micro_batches_like_plain_adamw(layout):
     differs by 9e-5 of its norm. Tolerances: 1e-3 per weight and 5e-4 of the update's norm."""
     ref_norms, ref, _ = plain(3)
     start = micro_model().state_dict()
-    engine = TrainEngine(micro_model(), layout=layout, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
-    assert engine.model is not engine.module  # forwards must go through DeepSpeed's engine (see TrainEngine)
+    engine = make_engine(micro_model(), layout=layout, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
+    assert engine.model is not engine.module  # forwards must go through DeepSpeed's engine (see DeepSpeedEngine)
     assert train(engine, 3) == pytest.approx(ref_norms, rel=1e-5)
-    got = engine.full_state_dict()
+    got = engine.whole_state_dict()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-3, msg=lambda m: f"{k}: {m}")
     off = sum(float(((got[k] - ref[k]) ** 2).sum()) for k in ref) ** 0.5
@@ -137,7 +138,7 @@ def test_zero3_accumulates_micro_batches_like_plain_adamw(layout):
 def test_bf16_model_trains_with_fp32_master_weights():
     """precision bf16: DeepSpeed keeps bf16 parameters and an fp32 master partition with fp32 moments."""
     model = micro_model().to(torch.bfloat16)
-    engine = TrainEngine(model, layout=Layout(zero_stage=2), micro_batch=MICRO, cpu_adam=False, **STEP_KW)
+    engine = make_engine(model, layout=Layout(zero_stage=2), micro_batch=MICRO, cpu_adam=False, **STEP_KW)
     ids = batch(seed=100)
     n = ids[:, 1:].numel()
     losses = []

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hybridcore import parallel, tensor_parallel  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.models import set_activation_checkpointing  # noqa: E402
-from hybridcore.zero import TrainEngine  # noqa: E402
-from tests.hybridcore.zero_fixtures import BATCH, MICRO, STEP_KW, VOCAB, batch, token_loss  # noqa: E402
+from hybridcore.engine import make_engine  # noqa: E402
+from bench.micro import BATCH, MICRO, STEP_KW, VOCAB, batch, token_loss  # noqa: E402
 
 TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=None)
 NEW_TOKENS = 8
@@ -109,20 +109,20 @@ def world2(out: Path) -> None:
     if state is not None:  # the export recipe for the stages: the split model's config, the gathered weights
         split.save_pretrained(out / "split" / "hf", state_dict=dict(state))  # transformers 5 empties the dict
     write(out / "split", groups, {"bytes": tensor_parallel.param_bytes(split)}, state)
-    engine = TrainEngine(tensor_parallel.split_model(tp_model(), groups.tp_group, 2, groups.tp_rank),
+    engine = make_engine(tensor_parallel.split_model(tp_model(), groups.tp_group, 2, groups.tp_rank),
                          layout=groups.layout, groups=groups, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
     record = train_step(engine, groups)
-    write(out / "train", groups, record, engine.full_state_dict())
+    write(out / "train", groups, record, engine.whole_state_dict())
     ckpt_model = tensor_parallel.split_model(tp_model(), groups.tp_group, 2, groups.tp_rank)
     set_activation_checkpointing(ckpt_model, True)  # recomputation replays the forward's all-reduces
-    recomputed = TrainEngine(ckpt_model, layout=groups.layout, groups=groups, micro_batch=MICRO, cpu_adam=False,
+    recomputed = make_engine(ckpt_model, layout=groups.layout, groups=groups, micro_batch=MICRO, cpu_adam=False,
                              **STEP_KW)
     write(out / "train-recompute", groups, {**train_step(recomputed, groups),
                                             "checkpointing": ckpt_model.is_gradient_checkpointing},
-          recomputed.full_state_dict())
+          recomputed.whole_state_dict())
     engine.save(out / "ckpt")
     torch.distributed.barrier()
-    again = TrainEngine(tensor_parallel.split_model(tp_model(seed=1), groups.tp_group, 2, groups.tp_rank),
+    again = make_engine(tensor_parallel.split_model(tp_model(seed=1), groups.tp_group, 2, groups.tp_rank),
                         layout=groups.layout, groups=groups, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
     again.load(out / "ckpt")
     states = [engine.optimizer.state[p] for p in engine.module.parameters()]
@@ -148,14 +148,14 @@ def world4(out: Path) -> None:
     for zero in (0, 1, 2):
         layout = parallel.Layout(dp=2, tp=2, zero_stage=zero)
         model = tensor_parallel.split_model(tp_model(), groups.tp_group, 2, groups.tp_rank)
-        engine = TrainEngine(model, layout=layout, groups=groups, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
+        engine = make_engine(model, layout=layout, groups=groups, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
         record = train_step(engine, groups)
-        write(out / f"zero{zero}", groups, record, engine.full_state_dict())
+        write(out / f"zero{zero}", groups, record, engine.whole_state_dict())
     # the rollout regroups the ZeRO-2 engine's weights (views into DeepSpeed's flat buffer) and gives them back
     write(out / "zero2-rollout1", groups, rollout(engine.module, groups, 1), None)
     engine.save(out / "zero2-ckpt")  # DeepSpeed's files, one model-parallel rank per tp rank
     torch.distributed.barrier()
-    again = TrainEngine(tensor_parallel.split_model(tp_model(seed=1), groups.tp_group, 2, groups.tp_rank),
+    again = make_engine(tensor_parallel.split_model(tp_model(seed=1), groups.tp_group, 2, groups.tp_rank),
                         layout=layout, groups=groups, micro_batch=MICRO, cpu_adam=False, **STEP_KW)
     again.load(out / "zero2-ckpt")
     loaded = digest(again.module) == digest(engine.module)

@@ -1,8 +1,8 @@
 """The stages under DeepSpeed ZeRO-3 (engine.layout.zero_stage 3, tp=1), parameters optionally on the CPU.
 
-Training forwards run through DeepSpeed's engine (TrainEngine.forward), so ZeRO-3 accumulates each micro-batch's
+Training forwards run through DeepSpeed's engine (DeepSpeedEngine.forward), so ZeRO-3 accumulates each micro-batch's
 gradient partition instead of overwriting it: SFT and the RM end where plain AdamW ends. PPO rolls out from the
-actor's parameters gathered in place (HybridActor + TrainEngine.gathered) and re-partitions them after; its greedy
+actor's parameters gathered in place (HybridActor + DeepSpeedEngine.rollout_weights) and re-partitions them after; its greedy
 tokens are those of a plain model holding the same weights. A dp=2 ZeRO-3 SFT (a torchrun job) equals plain AdamW
 too, and a killed ZeRO-3 + offload SFT resumes bit for bit. About 2 minutes on 2 busy cores."""
 from __future__ import annotations
@@ -53,16 +53,9 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture
-def backends(monkeypatch) -> list[tuple[str, int]]:
-    """(backend, zero stage) of every TrainEngine step taken during the test: a silently ignored layout fails."""
-    from hybridcore.zero import TrainEngine
-    seen, step = [], TrainEngine.step
-
-    def spy(self):
-        seen.append((self.backend, self.layout.zero_stage))
-        return step(self)
-    monkeypatch.setattr(TrainEngine, "step", spy)
-    return seen
+def backends(watch_engine_steps) -> list[tuple[str, int]]:
+    """(backend, zero stage) of every training-engine step taken during the test: a silently ignored layout fails."""
+    return watch_engine_steps(lambda e: (e.backend, e.layout.zero_stage))
 
 
 def test_sft_under_zero3_equals_plain_adamw(plain, backends):
@@ -99,7 +92,7 @@ def test_reward_model_under_zero3_equals_plain_adamw(plain, backends):
 
 def test_ppo_under_zero3_offload_rolls_out_from_gathered_weights(plain, backends, monkeypatch):
     """Parameters and optimizer states on the CPU (offload_params + offload_optimizer). Every rollout: the actor's
-    weights, gathered beforehand through TrainEngine.full_state_dict, give a plain model the very greedy tokens the
+    weights, gathered beforehand through the engine's whole_state_dict, give a plain model the very greedy tokens the
     actor generates inside rollout(); inside, its parameters are whole tensors; after, partitioned again (numel 0,
     ZeRO-3's placeholder), and the transition recorded the bytes it gathered."""
     root, ref_results = plain
@@ -108,8 +101,8 @@ def test_ppo_under_zero3_offload_rolls_out_from_gathered_weights(plain, backends
 
     @contextlib.contextmanager
     def spy_rollout(self):
-        assert self.zero3 is not None, "PPO under ZeRO-3 built its actor without the train engine"
-        record = {"state": self.zero3.full_state_dict()}
+        assert self.train_engine is not None, "PPO under ZeRO-3 built its actor without the train engine"
+        record = {"state": self.train_engine.whole_state_dict()}
         with rollout(self) as actor:
             record["whole"] = all(q.numel() > 0 for q in self.model.parameters())
             yield actor

@@ -59,16 +59,9 @@ def zero2_offload(tmp_path_factory):
 
 
 @pytest.fixture
-def backends(monkeypatch) -> list[str]:
-    """The TrainEngine backends that stepped during the test, and what DeepSpeed was given to train."""
-    from hybridcore.zero import TrainEngine
-    seen, step = [], TrainEngine.step
-
-    def spy(self):
-        seen.append((self.backend, sorted(n for n, _ in self.module.named_parameters())))
-        return step(self)
-    monkeypatch.setattr(TrainEngine, "step", spy)
-    return seen
+def backends(watch_engine_steps) -> list[str]:
+    """The training-engine backends that stepped during the test, and what DeepSpeed was given to train."""
+    return watch_engine_steps(lambda e: (e.backend, sorted(n for n, _ in e.module.named_parameters())))
 
 
 def test_zero_over_lora_and_quantised_roles_is_accepted():

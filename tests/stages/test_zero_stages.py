@@ -52,16 +52,9 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture
-def backends(monkeypatch) -> list[str]:
-    """The TrainEngine backends that stepped during the test (so a silently ignored layout cannot pass)."""
-    from hybridcore.zero import TrainEngine
-    seen, step = [], TrainEngine.step
-
-    def spy(self):
-        seen.append(self.backend)
-        return step(self)
-    monkeypatch.setattr(TrainEngine, "step", spy)
-    return seen
+def backends(watch_engine_steps) -> list[str]:
+    """The training-engine backends that stepped during the test (so a silently ignored layout cannot pass)."""
+    return watch_engine_steps(lambda e: e.backend)
 
 
 def test_sft_under_zero2_with_cpu_adam_offload_equals_plain_adamw(plain, tmp_path, backends):
