@@ -271,10 +271,10 @@ def test_optimizer_offload_round_trip(tok, prompts):
     actor = HybridActor(model, tok, optimizer=opt, offload_optimizer=True)
     reserved = actor.reserve_host_states()
     assert reserved == sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    buffers = {k: id(v) for k, v in actor._host_states.items()}
+    buffers = {k: id(v) for k, v in actor.offload.host_states.items()}
     for _ in range(2):  # every rollout copies into the buffers reserved before it: none is allocated inside
         with actor.rollout():
-            assert {k: id(v) for k, v in actor._host_states.items()} == buffers
+            assert {k: id(v) for k, v in actor.offload.host_states.items()} == buffers
             for i, s in enumerate(opt.state.values()):
                 for k, v in s.items():
                     assert v.device.type == "cpu" and v.data_ptr() != ptrs[(i, k)]
