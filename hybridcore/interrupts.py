@@ -6,7 +6,9 @@ process SIGKILL itself just before that step (`<stage>:checkpoint:<step>` halfwa
 step's checkpoint, `<stage>:term:<step>` sends SIGTERM instead): the kill tests use it to stop at chosen points without timing races.
 `<stage>:oom:<step>` raises torch.OutOfMemoryError once inside that step (hybridcore/oom.py backs off from it;
 in PPO `ppo:oom:<step>` hits the actor's update, `ppo:critic:oom:<step>` the critic's).
-`<stage>:raise:<step>` raises InjectedFault there. `HYBRID_RLHF_FAULT_RANK=R` restricts every fault to the process
+`<stage>:raise:<step>` raises InjectedFault there; `<stage>:nan:<step>` makes that step's loss (PPO: a reward)
+non-finite; `<stage>:enospc:<step>` fails that checkpoint's write halfway, as a full disk would. Every hook is
+one of fault_point / fault_active / oom_point below; no other code reads the variable. `HYBRID_RLHF_FAULT_RANK=R` restricts every fault to the process
 whose RANK is R (one failing rank of a torchrun job).
 """
 from __future__ import annotations

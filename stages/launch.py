@@ -191,10 +191,7 @@ def run_ranks(params, stage: str, inputs: dict[str, Path], out: Path, sink, time
     log_dir = (out / LOGS / f"node-{nodes.node_rank}" if nodes.nnodes > 1 else out / LOGS).resolve()
     for d in (job_dir, log_dir):
         d.mkdir(parents=True, exist_ok=True)
-    job = job_dir / "job.json"
-    job.write_text(json.dumps({"stage": stage, "params": params.model_dump(mode="json"),
-                               "inputs": {k: str(Path(v).resolve()) for k, v in inputs.items()},
-                               "out": str(out.resolve())}))
+    job = write_job(job_dir, params, stage, inputs, out)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its warning
@@ -213,12 +210,7 @@ def run_ranks(params, stage: str, inputs: dict[str, Path], out: Path, sink, time
                 seen, scanned = seen | job_processes(proc.pid), time.monotonic()
             if stop_requested() and stop_sent is None:  # a graceful stop: each rank checkpoints, then exits
                 stop_sent = time.monotonic()
-                for pid, (ppid, _, _) in _stat_fields().items():
-                    if ppid == proc.pid:  # the ranks (torchrun's children), not their helpers
-                        try:
-                            os.kill(pid, signal.SIGTERM)
-                        except ProcessLookupError:
-                            pass
+                stop_ranks(proc.pid)
             if stop_sent is not None and time.monotonic() - stop_sent > STOP_GRACE_S:
                 raise Interrupted(f"{stage}: the ranks did not stop within {STOP_GRACE_S:.0f} s of the stop request; "
                                   f"killed them (a rerun resumes from the newest checkpoint)")
@@ -233,14 +225,37 @@ def run_ranks(params, stage: str, inputs: dict[str, Path], out: Path, sink, time
         pump.join(timeout=10)
     if proc.returncode != 0:
         raise failure(stage, job_dir, log_dir, proc.returncode)
+    return {} if nodes.node_rank > 0 else rank0_result(stage, job_dir, log_dir)
+
+
+def write_job(job_dir: Path, params, stage: str, inputs: dict[str, Path], out: Path) -> Path:
+    """job.json: what every rank reads to run the stage (stages/rank.py)."""
+    job = job_dir / "job.json"
+    job.write_text(json.dumps({"stage": stage, "params": params.model_dump(mode="json"),
+                               "inputs": {k: str(Path(v).resolve()) for k, v in inputs.items()},
+                               "out": str(out.resolve())}))
+    return job
+
+
+def stop_ranks(torchrun_pid: int) -> None:
+    """SIGTERM to every rank (torchrun's children, not their helpers): each checkpoints, then exits."""
+    for pid, (ppid, _, _) in _stat_fields().items():
+        if ppid == torchrun_pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def rank0_result(stage: str, job_dir: Path, log_dir: Path) -> dict:
+    """Rank 0's final metrics from a job that exited cleanly; the job folder goes (the logs stay: they are part
+    of the artifact)."""
     result = job_dir / "result.json"
-    if nodes.node_rank > 0:
-        return {}
     if not result.is_file():
         raise RankFailed(f"{stage}: the torchrun job ended without rank 0's result ({result}); per-rank logs in "
                          f"{log_dir}")
     metrics = json.loads(result.read_text())
-    shutil.rmtree(job_dir, ignore_errors=True)  # the logs stay: they are part of the artifact
+    shutil.rmtree(job_dir, ignore_errors=True)
     return metrics
 
 

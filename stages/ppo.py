@@ -33,7 +33,8 @@ from hybridcore.oom import OomBackoff
 from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.interrupts import fault_active, fault_point
-from stages.common import (Resumable, StepLog, check_prompt_room, checkpoint_parts, checkpointed, checkpointing,
+from hybridcore.engine import checkpoint_parts
+from stages.common import (Resumable, StepLog, check_prompt_room, checkpointed, checkpointing,
                            context_of, export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
                            role_precision, seed_all, tp_split, trainer, with_lora)
 
@@ -172,50 +173,14 @@ def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomB
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
                                                      "approx_kl", "entropy")}
     n = len(batch)
+    size = cfg.minibatch_size // layout_now().layout.dp  # this rank's part of each global minibatch
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(n, generator=g)
-        size = cfg.minibatch_size // layout_now().layout.dp  # this rank's part of each global minibatch
         for start in range(0, n, size):
-            mb = perm[start:start + size]
-            n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
-            sums: dict[str, float] = {}
-
-            def rows(s: slice, keys: tuple[str, ...]):
-                idx = mb[s]
-                mask = exp["mask"][idx]
-                if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
-                    sums.update({k: 0.0 for k in keys})
-                return idx, batch.select(idx), mask, mask.sum() / n_tok  # share of the minibatch's tokens
-
-            def actor_step(s: slice) -> float:
-                idx, sub, mask, share = rows(s, ACTOR_STATS)
-                with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
-                    logp, ent = engines[0].forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
-                    pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx],
-                                                             mask, cfg.clip_range)
-                    entropy = rl.masked_mean(ent, mask)
-                    engines[0].backward((pl - cfg.entropy_coef * entropy) * share)
-                for k, v in zip(ACTOR_STATS, (pl, clipfrac, approx_kl, entropy)):
-                    sums[k] += float(v.detach() * share)
-                return float(pl.detach() * share)
-
-            def critic_step(s: slice) -> float:
-                idx, sub, mask, share = rows(s, CRITIC_STATS)
-                with m.use("critic"):
-                    values = engines[1].forward(response_values, m.critic, sub)
-                    vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
-                    engines[1].backward(vl * share)
-                for k, v in zip(CRITIC_STATS, (vl, vclip)):
-                    sums[k] += float(v.detach() * share)
-                return float(vl.detach() * share)
-
-            passes = (("actor_update", 0, actor_step, ACTOR_STATS), ("critic_update", 1, critic_step, CRITIC_STATS))
-            for name, r, step_fn, keys in passes:
-                with phase(name):
-                    backoffs[r].run(it, len(mb), step_fn, engines[r].zero_grad)
-                for k in keys:
-                    stats[k].append(sums[k])
-            pl_sum, vl_sum = dp_sum([stats["policy_loss"][-1], stats["value_loss"][-1]])  # all ranks skip alike
+            sums = minibatch(cfg, batch, exp, m, engines, backoffs, it, perm[start:start + size], phase)
+            for k, v in sums.items():
+                stats[k].append(v)
+            pl_sum, vl_sum = dp_sum([sums["policy_loss"], sums["value_loss"]])  # all ranks skip alike
             ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=pl_sum, value_loss=vl_sum)
             for engine in engines:
                 if ok:
@@ -225,6 +190,47 @@ def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomB
     out = dp_mean({k: sum(v) / len(v) for k, v in stats.items()})
     out.update(actor_micro_batch=float(backoffs[0].micro_batch), critic_micro_batch=float(backoffs[1].micro_batch))
     return out
+
+
+def minibatch(cfg, batch, exp, m: Models, engines, backoffs, it: int, mb: torch.Tensor, phase) -> dict[str, float]:
+    """The actor's and then the critic's backward passes over one minibatch (row indices `mb`), each under its
+    OomBackoff; the statistics, token-weighted over the global minibatch."""
+    n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
+    sums: dict[str, float] = {}
+
+    def rows(s: slice, keys: tuple[str, ...]):
+        idx = mb[s]
+        mask = exp["mask"][idx]
+        if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
+            sums.update({k: 0.0 for k in keys})
+        return idx, batch.select(idx), mask, mask.sum() / n_tok  # share of the minibatch's tokens
+
+    def actor_step(s: slice) -> float:
+        idx, sub, mask, share = rows(s, ACTOR_STATS)
+        with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
+            logp, ent = engines[0].forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
+            pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx], mask,
+                                                     cfg.clip_range)
+            entropy = rl.masked_mean(ent, mask)
+            engines[0].backward((pl - cfg.entropy_coef * entropy) * share)
+        for k, v in zip(ACTOR_STATS, (pl, clipfrac, approx_kl, entropy)):
+            sums[k] += float(v.detach() * share)
+        return float(pl.detach() * share)
+
+    def critic_step(s: slice) -> float:
+        idx, sub, mask, share = rows(s, CRITIC_STATS)
+        with m.use("critic"):
+            values = engines[1].forward(response_values, m.critic, sub)
+            vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
+            engines[1].backward(vl * share)
+        for k, v in zip(CRITIC_STATS, (vl, vclip)):
+            sums[k] += float(v.detach() * share)
+        return float(vl.detach() * share)
+
+    for name, r, step_fn in (("actor_update", 0, actor_step), ("critic_update", 1, critic_step)):
+        with phase(name):
+            backoffs[r].run(it, len(mb), step_fn, engines[r].zero_grad)
+    return sums
 
 
 TRUNCATED_WARN = 0.1  # more responses than this cut at max_new_tokens: the RM scored unfinished text; say so
@@ -295,21 +301,72 @@ def backend_options(p, prompts: list[list[int]], n_new: int) -> dict:
             "max_model_len": max(len(x) for x in prompts) + n_new}
 
 
+@dataclass
+class Loop:
+    """What one PPO run holds between iterations."""
+    p: object
+    m: Models
+    tok: object
+    ps: object  # stages.examples.PromptSet: token ids, texts, what the RM reads
+    n_new: int
+    micro: int
+    engines: list
+    actor: HybridActor
+    ledger: MemoryLedger
+    backoffs: tuple[OomBackoff, OomBackoff]
+    plan_metrics: dict
+    history: list = field(default_factory=list)
+
+
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.ppo
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
     m = load_models(p, inputs, tok)
+    ps, n_new = prompts_of(p, inputs, tok, m)
+    r = build(p, m, tok, ps, n_new, sink)
+    stream = prompt_stream(len(ps.ids), cfg.rollout_batch_size, p.pipeline.seed)
+    log = StepLog("ppo", cfg.iterations, sink)
+    loop = Resumable("ppo", out, cfg, *checkpoint_parts({"actor_": r.engines[0], "critic_": r.engines[1]},
+                                                        m.checkpoint), log)
+    start, state = loop.resume()
+    r.history = state.get("history", [])
+    try:
+        for it in range(cfg.iterations):
+            picked = dp_share(next(stream))  # a pure function of the seed (replayed on resume); each dp rank's share
+            if it < start:
+                continue
+            metrics = iteration(r, it, picked)
+            if metrics is not None:
+                log.step(it, metrics["policy_loss"], metrics.pop("tokens"), **metrics)
+            loop.after_step(it + 1, history=r.history)
+    finally:
+        r.actor.close()  # a vLLM engine lets go of its memory before evaluation runs in this process
+        r.ledger.close()
+    summary = summarise(r, log.close())
+    with m.use("actor"):  # every rank: tp shards are gathered, rank 0 writes
+        export(p, "actor", r.engines[0], m.policy, m.peft, tok, out, m.adapter,
+               {"value_head": m.shared.head} if m.shared is not None else None)
+    return summary
+
+
+def prompts_of(p, inputs: dict[str, Path], tok, m: Models):
+    """(the prompt set, max_new_tokens): the prompts file, checked against the rollout batch and the context."""
     from stages import data  # here, not at the top: bench/memory.py imports this module where datasets is absent
     from stages.examples import max_new_tokens, prompt_set
     ps = prompt_set(tok, data.load("prompts", p).train, data.source(p, "prompts"))
-    prompts = ps.ids
-    n_new = max_new_tokens(cfg.max_new_tokens, inputs, "ppo.max_new_tokens", context_of(m.policy), prompts)
-    check_prompt_room(m.policy, ps.texts, prompts, n_new, "ppo.max_new_tokens", data.source(p, "prompts"))
-    if len(prompts) < cfg.rollout_batch_size:
+    n_new = max_new_tokens(p.ppo.max_new_tokens, inputs, "ppo.max_new_tokens", context_of(m.policy), ps.ids)
+    check_prompt_room(m.policy, ps.texts, ps.ids, n_new, "ppo.max_new_tokens", data.source(p, "prompts"))
+    if len(ps.ids) < p.ppo.rollout_batch_size:
         from hybridcore.errors import InputError
-        raise InputError(f"data.prompts: {len(prompts)} prompts is fewer than ppo.rollout_batch_size="
-                         f"{cfg.rollout_batch_size}")
+        raise InputError(f"data.prompts: {len(ps.ids)} prompts is fewer than ppo.rollout_batch_size="
+                         f"{p.ppo.rollout_batch_size}")
+    return ps, n_new
+
+
+def build(p, m: Models, tok, ps, n_new: int, sink) -> Loop:
+    """The planner's micro-batch and layout, the actor's and the critic's engines, the hybrid actor."""
+    cfg, prompts = p.ppo, ps.ids
     updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
     m.policy.train()
     m.critic.train()
@@ -328,73 +385,68 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts, n_new),
-                        groups=layout_now(), rollout_tp=p.engine.rollout.tp,  # tp peers: same prompts, all responses
-                        train_engine=engines[0])  # ZeRO-3: its parameters gathered for each rollout
+                        rollout_tp=p.engine.rollout.tp,  # tp peers: same prompts, all responses
+                        train_engine=engines[0])  # its rollout weights: the ZeRO-3 gather, the tp regrouping
     m.policy.train()
     m.critic.train()
-    stream = prompt_stream(len(prompts), cfg.rollout_batch_size, p.pipeline.seed)
-    log = StepLog("ppo", cfg.iterations, sink)
-    loop = Resumable("ppo", out, cfg, *checkpoint_parts({"actor_": engines[0], "critic_": engines[1]}, m.checkpoint),
-                     log)
-    start, state = loop.resume()
-    history = state.get("history", [])
-    backoffs = update_backoffs(micro)
     ledger = MemoryLedger(m.policy.device, models=(m.policy, m.ref, m.critic, m.rm), engines=engines)
-    try:
-        for it in range(cfg.iterations):
-            picked = next(stream)  # the prompt order is a pure function of the seed: replay it on resume
-            picked = dp_share(picked)  # each dp rank rolls out and scores its share
-            batch_prompts = [prompts[i] for i in picked]
-            if it < start:
-                continue
-            fault_point("ppo", it)
-            # each dp rank samples its share with its own stream (rank 0's is the one-process stream)
-            torch.manual_seed(p.pipeline.seed * 100_003 + it + 1_000_003 * layout_now().dp_rank)
-            t0 = time.perf_counter()
-            with ledger.phase("rollout") as mem, m.use("actor"), actor.rollout():
-                responses = actor.generate(batch_prompts, n_new, temperature=cfg.temperature,
-                                           top_k=cfg.top_k, top_p=cfg.top_p)
-                mem.hold("kv_cache", actor.backend.kv_cache_bytes)  # freed when the rollout ends
-            t1 = time.perf_counter()
-            with ledger.phase("scoring") as mem:
-                m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
-                batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
-                texts = tok.batch_decode(responses, skip_special_tokens=True)
-                scored = sequences([ps.scored(i, t) for i, t in zip(picked, texts)], tok.pad_token_id,
-                                   m.policy.device)
-                exp = make_experience(cfg, batch, scored, m, actor.stop_ids, micro)
-            if fault_active("ppo", "nan", it):
-                exp["scores"][0] = float("nan")
-            t2 = time.perf_counter()
-            reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item()])
-            if not finite("ppo", it, cfg.on_nonfinite, reward=reward_sum, advantages=adv_sum):
-                loop.after_step(it + 1, history=history)
-                continue
-            stats = update(cfg, batch, exp, m, engines, backoffs, p.pipeline.seed + it, it, phase=ledger.phase)
-            actor.reserve_host_states()  # the offload buffers are pinned here, never inside a transition
-            t3 = time.perf_counter()
-            mask = exp["mask"]
-            # equal shares per rank: the mean of the ranks' means is the rollout batch's (explained variance: approx.)
-            metrics = {**dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
-                                  "response_length": float(mask.sum(1).mean()),
-                                  "ended_fraction": float(exp["ended"].float().mean()),
-                                  "truncated_fraction": truncated_fraction(exp, n_new),
-                                  "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"],
-                                                                                    mask))}),
-                       "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
-                       "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
-                       "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
-                       **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool)}, **ledger.metrics()}
-            history.append(metrics)
-            warn_truncated(metrics["truncated_fraction"], it, n_new, history)
-            log.step(it, stats["policy_loss"], int(dp_sum(int(batch.attention_mask.sum()))), **metrics)
-            loop.after_step(it + 1, history=history)
-    finally:
-        actor.close()  # a vLLM engine lets go of its memory before evaluation runs in this process
-        ledger.close()
-    summary = {**log.close(), **optimizer_metrics({"actor_": engines[0], "critic_": engines[1]}), **ledger.summary(),
-               **plan_metrics}
+    return Loop(p, m, tok, ps, n_new, micro, engines, actor, ledger, update_backoffs(micro), plan_metrics)
+
+
+def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
+    """One rollout, scoring and update over this rank's share `picked` of the prompts; its metrics (None when the
+    batch was skipped as non-finite)."""
+    p, cfg, m, tok, actor, ledger = r.p, r.p.ppo, r.m, r.tok, r.actor, r.ledger
+    batch_prompts = [r.ps.ids[i] for i in picked]
+    fault_point("ppo", it)
+    # each dp rank samples its share with its own stream (rank 0's is the one-process stream)
+    torch.manual_seed(p.pipeline.seed * 100_003 + it + 1_000_003 * layout_now().dp_rank)
+    t0 = time.perf_counter()
+    with ledger.phase("rollout") as mem, m.use("actor"), actor.rollout():
+        responses = actor.generate(batch_prompts, r.n_new, temperature=cfg.temperature, top_k=cfg.top_k,
+                                   top_p=cfg.top_p)
+        mem.hold("kv_cache", actor.backend.kv_cache_bytes)  # freed when the rollout ends
+    t1 = time.perf_counter()
+    with ledger.phase("scoring") as mem:
+        m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
+        batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
+        scored = sequences([r.ps.scored(i, t) for i, t in zip(picked, texts)], tok.pad_token_id, m.policy.device)
+        exp = make_experience(cfg, batch, scored, m, actor.stop_ids, r.micro)
+    if fault_active("ppo", "nan", it):
+        exp["scores"][0] = float("nan")
+    t2 = time.perf_counter()
+    reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item()])
+    if not finite("ppo", it, cfg.on_nonfinite, reward=reward_sum, advantages=adv_sum):
+        return None
+    stats = update(cfg, batch, exp, m, r.engines, r.backoffs, p.pipeline.seed + it, it, phase=ledger.phase)
+    actor.reserve_host_states()  # the offload buffers are pinned here, never inside a transition
+    metrics = {**rollout_metrics(exp, r.n_new), "rollout_s": t1 - t0, "scoring_s": t2 - t1,
+               "update_s": time.perf_counter() - t2, "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
+               "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
+               **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}, **ledger.metrics()}
+    r.history.append(metrics)
+    warn_truncated(metrics["truncated_fraction"], it, r.n_new, r.history)
+    return {**metrics, "tokens": int(dp_sum(int(batch.attention_mask.sum())))}
+
+
+def rollout_metrics(exp: dict, n_new: int) -> dict[str, float]:
+    """Reward, KL, lengths and value fit of one rollout batch. Equal shares per rank: the mean of the ranks' means
+    is the batch's (explained variance: approximately)."""
+    mask = exp["mask"]
+    return dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
+                    "response_length": float(mask.sum(1).mean()),
+                    "ended_fraction": float(exp["ended"].float().mean()),
+                    "truncated_fraction": truncated_fraction(exp, n_new),
+                    "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], mask))})
+
+
+def summarise(r: Loop, logged: dict) -> dict:
+    """The stage's summary: the log's, optimizer and memory figures, and first-tenth vs last-tenth means."""
+    history, ledger = r.history, r.ledger
+    summary = {**logged, **optimizer_metrics({"actor_": r.engines[0], "critic_": r.engines[1]}), **ledger.summary(),
+               **r.plan_metrics}
     for line in ledger.table().splitlines() if ledger.last else ():
         say(line)
     if not history:
@@ -405,9 +457,6 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
                     for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
                                  "entropy", "truncated_fraction")
                     for tag, part in (("first", first), ("last", last))})
-    summary.update(max_new_tokens=n_new,
+    summary.update(max_new_tokens=r.n_new,
                    truncated_iterations=sum(h["truncated_fraction"] > TRUNCATED_WARN for h in history))
-    with m.use("actor"):  # every rank: tp shards are gathered, rank 0 writes
-        export(p, "actor", m.policy, m.peft, tok, out, m.adapter,
-               {"value_head": m.shared.head} if m.shared is not None else None)
     return summary
