@@ -124,6 +124,44 @@ def test_rollout_restores_state_after_exception(tok):
     assert model.training and torch.is_grad_enabled() and not actor.in_rollout
 
 
+def test_rollout_runs_its_transitions_in_order_and_unwinds_a_failed_entry(tok, prompts):
+    """rollout() enters mode, optimizer offload and the backend in that order and leaves them in reverse, each timed
+    on its own; when one fails on entry, the ones entered before it are left again (train mode, states back)."""
+    model = fresh_model(tok).train()
+    opt = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([prompts[1]])).logits.sum().backward()
+    opt.step()
+    actor = HybridActor(model, tok, optimizer=opt, offload_optimizer=True)
+    assert [t.name for t in actor.transitions] == ["mode", "optimizer_offload", "rollout_backend"]
+    calls = []
+    for t in actor.transitions:
+        for phase in ("enter", "exit"):
+            def spy(fn=getattr(t, phase), name=t.name, phase=phase):
+                calls.append((phase, name))
+                return fn()
+            setattr(t, phase, spy)
+    with actor.rollout():
+        actor.generate(prompts[:2], 3, greedy=True)
+    names = ["mode", "optimizer_offload", "rollout_backend"]
+    assert calls == [("enter", n) for n in names] + [("exit", n) for n in reversed(names)]
+    assert set(actor.last_transitions) == set(names)
+    assert all(set(v) == {"enter_s", "exit_s", "enter_bytes", "exit_bytes"} and v["enter_s"] >= 0
+               for v in actor.last_transitions.values())
+    state_devices = [v.device for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+    def broken():
+        raise RuntimeError("backend failed to start")
+    actor.transitions[-1].enter = broken
+    with pytest.raises(RuntimeError, match="failed to start"):
+        with actor.rollout():
+            pass
+    assert model.training and not actor.in_rollout
+    assert [v.device for s in opt.state.values() for v in s.values() if torch.is_tensor(v)] == state_devices
+    assert not actor.offload._offloaded  # restored, nothing left to bring back
+    host = {t.data_ptr() for t in actor.offload.host_states.values()}
+    assert host and not host & {v.data_ptr() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+
+
 def test_rollout_toggles_activation_checkpointing(tok, prompts):
     """With activation checkpointing on, rollout turns it off inside and back on after."""
     model = fresh_model(tok).train()
