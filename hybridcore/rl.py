@@ -117,3 +117,68 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."""
     var_r = masked_var(returns, mask)
     return 1 - masked_var(returns - values, mask) / var_r.clamp(min=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------- critic-free estimators
+# Sequence-level scores [B] with the N responses of one prompt contiguous (rows g*N .. g*N+N-1 are group g).
+
+def group_advantages(scores: torch.Tensor, n: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each score minus its group's mean, divided by the group's (unbiased) std unless scale=False (Dr.
+    GRPO's form). A group whose scores are all equal gets 0 everywhere."""
+    g = _groups(scores, n)
+    adv = g - g.mean(1, keepdim=True)
+    if scale:
+        adv = adv / (g.std(1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def leave_one_out_advantages(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """RLOO: each score minus the mean of the other N-1 scores of its group (= N/(N-1) x its distance from the
+    group mean)."""
+    g = _groups(scores, n)
+    others = (g.sum(1, keepdim=True) - g) / (n - 1)
+    return (g - others).reshape(-1)
+
+
+def _groups(scores: torch.Tensor, n: int) -> torch.Tensor:
+    if n < 2 or scores.numel() % n:
+        raise ValueError(f"group estimators need >= 2 samples per prompt and whole groups; got {scores.numel()} "
+                         f"scores in groups of {n}")
+    return scores.float().reshape(-1, n)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, reduce=None) -> torch.Tensor:
+    """REINFORCE++: per-token returns (the undiscounted sum of the rewards from each token to the end: the RM score
+    on the last token, -kl_coef x KL on every token) whitened over the whole batch; zero on padding."""
+    mask = mask.to(rewards.dtype)
+    returns = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1]) * mask
+    return masked_whiten(returns, mask, reduce=reduce)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
+    """A per-token loss reduced to one number. token_mean: every real token of the batch weighs the same (DAPO's
+    token-level form; long responses count in proportion to their length); seq_mean: each sequence's own token
+    mean, then the mean over sequences (GRPO's original form)."""
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean":
+        return masked_mean(per_token, mask, dim=1).mean()
+    raise ValueError(f"loss aggregation must be token_mean or seq_mean, got {mode!r}")
+
+
+def dpo_loss(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_logp: torch.Tensor,
+             ref_rejected_logp: torch.Tensor, beta: float, kind: str = "sigmoid"):
+    """DPO over summed response log-probs [B]: with h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)),
+    sigmoid: -log sigmoid(beta h) (Rafailov et al.); ipo: (h - 1/(2 beta))^2 (Azar et al.). Returns (mean loss,
+    chosen rewards beta (log pi(c) - log ref(c)), rejected rewards, the fraction of rows whose chosen reward is
+    the higher)."""
+    chosen = beta * (chosen_logp - ref_chosen_logp)
+    rejected = beta * (rejected_logp - ref_rejected_logp)
+    h = (chosen - rejected) / beta
+    if kind == "sigmoid":
+        loss = -F.logsigmoid(beta * h)
+    elif kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo.loss must be sigmoid or ipo, got {kind!r}")
+    return loss.mean(), chosen.detach(), rejected.detach(), (chosen > rejected).float().mean()

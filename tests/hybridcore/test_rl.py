@@ -204,3 +204,65 @@ def test_explained_variance():
     # unbiased var 0.25; Var(returns) = (2.25+0.25+0.25+2.25)/3 = 5/3; EV = 1 - 0.25/(5/3) = 0.85
     near = t([[1.0, 2.0, 3.0, -9.0], [3.0, 9.0, 9.0, 9.0]])
     assert_close(rl.explained_variance(near, returns, mask), t(0.85), **ATOL)
+
+
+# ---------------------------------------------------------------------------------------------- critic-free estimators
+
+def test_group_advantages_by_hand():
+    """GRPO, groups of 3: [1, 2, 3] has mean 2 and unbiased std 1 -> [-1, 0, 1]; [5, 5, 5] has no spread -> 0."""
+    scores = t([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    assert_close(rl.group_advantages(scores, 3), t([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]), **ATOL)
+    # unscaled, groups of 2: [0, 4] -> mean 2 -> [-2, 2], [1, 1] -> 0; scaled: std of [0, 4] = 2.828 -> +-0.7071
+    assert_close(rl.group_advantages(t([0.0, 4.0, 1.0, 1.0]), 2, scale=False), t([-2.0, 2.0, 0.0, 0.0]), **ATOL)
+    assert_close(rl.group_advantages(t([0.0, 4.0]), 2), t([-1 / math.sqrt(2), 1 / math.sqrt(2)]), **ATOL)
+
+
+def test_leave_one_out_baselines_by_hand():
+    """RLOO: each score minus the mean of the others in its group."""
+    # groups of 2: [1, 2] -> 1-2, 2-1; [3, 6] -> 3-6, 6-3
+    assert_close(rl.leave_one_out_advantages(t([1.0, 2.0, 3.0, 6.0]), 2), t([-1.0, 1.0, -3.0, 3.0]), **ATOL)
+    # one group of 3: 1-(2+6)/2 = -3, 2-(1+6)/2 = -1.5, 6-(1+2)/2 = 4.5
+    assert_close(rl.leave_one_out_advantages(t([1.0, 2.0, 6.0]), 3), t([-3.0, -1.5, 4.5]), **ATOL)
+
+
+@pytest.mark.parametrize("fn", [rl.group_advantages, rl.leave_one_out_advantages])
+def test_group_estimators_refuse_single_samples_and_ragged_groups(fn):
+    with pytest.raises(ValueError, match=">= 2 samples per prompt"):
+        fn(t([1.0, 2.0]), 1)
+    with pytest.raises(ValueError, match="groups of 2"):
+        fn(t([1.0, 2.0, 3.0]), 2)
+
+
+def test_reinforce_pp_advantages_by_hand():
+    """Returns = sum of rewards from each token to the end: row 0 [0.1, -0.2, 1.0 | pad] -> [0.9, 0.8, 1.0],
+    row 1 [0.5 | pad] -> [0.5]; whitened over the four real tokens: mean 0.8, unbiased std sqrt(0.14 / 3) =
+    0.216025 -> [0.46291, 0, 0.92582] and [-1.38873]; padding 0 (its junk reward 9 never counts)."""
+    rewards = t([[0.1, -0.2, 1.0, 9.0], [0.5, 9.0, 9.0, 9.0]])
+    mask = t([[1, 1, 1, 0], [1, 0, 0, 0]])
+    want = t([[0.46291, 0.0, 0.92582, 0.0], [-1.38873, 0.0, 0.0, 0.0]])
+    assert_close(rl.reinforce_pp_advantages(rewards, mask), want, atol=1e-4, rtol=0)
+
+
+def test_loss_aggregation_by_hand():
+    """token_mean: (1 + 2 + 3 + 4) / 4 = 2.5; seq_mean: mean(2, 4) = 3."""
+    per_token = t([[1.0, 2.0, 3.0, 7.0], [4.0, 7.0, 7.0, 7.0]])
+    mask = t([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert_close(rl.aggregate(per_token, mask, "token_mean"), t(2.5), **ATOL)
+    assert_close(rl.aggregate(per_token, mask, "seq_mean"), t(3.0), **ATOL)
+    with pytest.raises(ValueError, match="token_mean or seq_mean"):
+        rl.aggregate(per_token, mask, "sum")
+
+
+def test_dpo_loss_by_hand():
+    """beta 0.5; chosen rewards 0.5 x ([-1, -2] - [-2, -2]) = [0.5, 0], rejected 0.5 x ([-3, -1] - [-2, -2]) =
+    [-0.5, 0.5]; h = (chosen - rejected) / beta = [2, -1]. sigmoid: -log sigmoid([1, -0.5]) = [0.313262, 0.974077],
+    mean 0.643670; ipo: (h - 1)^2 = [1, 4], mean 2.5; accuracy 1 of 2."""
+    args = (t([-1.0, -2.0]), t([-3.0, -1.0]), t([-2.0, -2.0]), t([-2.0, -2.0]), 0.5)
+    loss, chosen, rejected, acc = rl.dpo_loss(*args)
+    assert_close(loss, t(0.643670), **ATOL)
+    assert_close(chosen, t([0.5, 0.0]), **ATOL)
+    assert_close(rejected, t([-0.5, 0.5]), **ATOL)
+    assert_close(acc, t(0.5), **ATOL)
+    assert_close(rl.dpo_loss(*args, kind="ipo")[0], t(2.5), **ATOL)
+    with pytest.raises(ValueError, match="sigmoid or ipo"):
+        rl.dpo_loss(*args, kind="hinge")
