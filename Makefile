@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0   # the CPU build (a plain `torch` would pull a multi-GB CUDA build)
 	$(PIP) -e '.[test]'
+	$(PIP) triton==3.9.0   # Triton's interpreter runs the kernels' tests on CPU (CPU torch does not bring it)
 	touch $(STAMP)
 
 setup: $(STAMP)
