@@ -10,7 +10,8 @@ layout), so the kernel splits x into its even and odd columns instead of interle
 Training keeps bitsandbytes' own path; this is for inference on weights that do not change inside a rollout.
 `NF4Weight.from_bnb` reads a bitsandbytes Params4bit (double quantisation resolved once to fp32 absmax);
 `dequantize` is the plain-torch reference the tests hold the kernel to. On a CPU the kernel runs under Triton's
-interpreter (TRITON_INTERPRET=1 set before the first call), which is how CI tests it.
+interpreter (TRITON_INTERPRET=1 set before triton is first imported: tests/hybridcore/nf4_worker.py runs in a
+process of its own for that), which is how CI tests it.
 """
 from __future__ import annotations
 
