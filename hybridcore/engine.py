@@ -88,7 +88,8 @@ def make_engine(model: torch.nn.Module, *, lr: float, total_steps: int, warmup_r
 class Engine:
     """The protocol every training backend keeps. `engine.model(...)` is what training forwards call (DeepSpeed's
     engine, or the module itself); `engine.module` the plain nn.Module (evaluation, export); `trained` the
-    parameters the optimizer updates; `optimizer` the client optimizer (the hybrid actor offloads its states)."""
+    parameters the optimizer updates; `optimizer` what steps them (DeepSpeed's ZeRO optimizer under DeepSpeed;
+    the hybrid actor offloads a plain one's states), `_client_optimizer` the torch optimizer holding the moments."""
 
     backend = "?"
 
@@ -116,10 +117,6 @@ class Engine:
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
-
-    def supports(self, *features: str) -> bool:
-        """True when this engine's layout can do every one of `features` (keys of FEATURES)."""
-        return not set(features) & limits(self.layout).keys()
 
     # ------------------------------------------------------------------------------------------ state
     def optimizer_parts(self, prefix: str) -> dict:
@@ -167,7 +164,7 @@ class Engine:
         params = list(self.module.parameters())
         return {"params": [p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params],
                 "grads": [p.grad for p in params], "buffers": [],
-                "optimizer": list(flatten([dict(s) for s in self.optimizer.state.values()]))}
+                "optimizer": list(flatten([dict(s) for s in self._client_optimizer.state.values()]))}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of distinct storages this rank holds, by kind (a storage counts once, under its first kind)."""
@@ -195,7 +192,7 @@ class TorchEngine(Engine):
     def __init__(self, model, layout: Layout, groups: Groups | None, max_grad_norm: float, *, lr: float,
                  total_steps: int, warmup_ratio: float, min_lr_ratio: float, weight_decay: float):
         super().__init__(model, layout, groups, max_grad_norm)
-        self.optimizer = optim.adamw(model, lr, weight_decay)
+        self.optimizer = self._client_optimizer = optim.adamw(model, lr, weight_decay)
         self.scheduler = optim.warmup_cosine(self.optimizer, total_steps, warmup_ratio, min_lr_ratio)
         self.trained = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.owns_weights = layout.tp > 1  # each tp rank holds other shards: it writes its own file

@@ -209,13 +209,9 @@ class DeepSpeedEngine(Engine):
 
     # ------------------------------------------------------------------------------------------ memory
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Engine's, with the client optimizer's states and ZeRO's fp32 partitions, gradient partitions and
-        communication / offload staging buffers."""
-        self.optimizer, client = self._client_optimizer, self.optimizer  # the base reads the client's states
-        try:
-            out = super().held_tensors()
-        finally:
-            self.optimizer = client
+        """Engine's (which reads the client optimizer's states: `_client_optimizer`), with ZeRO's fp32 partitions,
+        gradient partitions and communication / offload staging buffers."""
+        out = super().held_tensors()
         zo = self.ds.optimizer
         fp32 = [*flatten(getattr(zo, "single_partition_of_fp32_groups", [])),
                 *flatten(getattr(zo, "fp32_partitioned_groups_flat", []))]
@@ -256,11 +252,6 @@ def _adamw(param_groups: list[dict], lr: float, cpu_adam: bool) -> torch.optim.O
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(param_groups, lr=lr, betas=(0.9, 0.95), adamw_mode=True)
     return torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.95))
-
-
-def is_partitioned(module: torch.nn.Module) -> bool:
-    """True when ZeRO-3 partitioned `module`'s parameters (each then carries DeepSpeed's ds_id)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def zero3_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
