@@ -13,11 +13,10 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from stages.params import STAGES, Params
+from stages.params import Params, stage_inputs, stage_list
 from stages.user_code import fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
-INPUTS = {"sft": [], "reward": ["sft"], "ppo": ["sft", "reward"], "evaluate": ["sft", "reward", "ppo"]}
 
 
 # what every stage runs besides its own module: reading and encoding the data, loading and exporting models
@@ -63,7 +62,8 @@ NOT_IN_KEY = {"checkpoint_every", "keep_checkpoints", "on_nonfinite"}
 
 
 # The data each stage reads (data.load kinds); SFT also reads every kind when it trains the tokenizer.
-DATA_KINDS = {"sft": ("sft",), "reward": ("preferences",), "ppo": ("prompts",), "evaluate": ("prompts",)}
+DATA_KINDS = {"sft": ("sft",), "reward": ("preferences",), "ppo": ("prompts",), "dpo": ("preferences",),
+              "evaluate": ("prompts",)}
 ALL_KINDS = ("sft", "preferences", "prompts")
 
 
@@ -97,18 +97,21 @@ def stage_params(p: Params, stage: str) -> dict:
             "seed": p.pipeline.seed, "engine": p.engine.model_dump(mode="json"), "chat_template": p.data.chat_template}
 
 
+USER_CODE = {"evaluate": ("checker",), "ppo": ("reward_function",)}  # FILE.py:NAME fields, by stage
+
+
 def stage_keys(p: Params) -> dict[str, str]:
-    """Keys of all four stages, each chained on its inputs' keys."""
+    """Keys of the stages that run, each chained on its inputs' keys."""
     model_files = {"model": _file_fingerprint(p.model.path), "tokenizer": _file_fingerprint(p.model.tokenizer)}
     data_files = {k: _file_fingerprint(getattr(p.data, k).path, whole_folder=True) for k in ALL_KINDS}
     template = p.data.chat_template
     model_files["chat_template"] = _file_fingerprint(template) if template and Path(template).is_file() else None
     keys: dict[str, str] = {}
-    for stage in STAGES:
+    for stage in stage_list(p):
         files = {**model_files, **{k: data_files[k] for k in data_kinds(p, stage)}}
-        if stage == "evaluate":
-            files["checker"] = fingerprint(p.evaluate.checker)
-        doc = {"params": stage_params(p, stage), "inputs": {s: keys[s] for s in INPUTS[stage]},
+        for field in USER_CODE.get(stage, ()):  # a user's function's source: editing it reruns the stage
+            files[field] = fingerprint(getattr(getattr(p, stage), field))
+        doc = {"params": stage_params(p, stage), "inputs": {s: keys[s] for s in stage_inputs(p, stage)},
                "files": files, "code": code_version(stage)}
         keys[stage] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]
     return keys

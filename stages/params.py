@@ -16,7 +16,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from hybridcore.errors import InputError
 
 PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
-STAGES = ("sft", "reward", "ppo", "evaluate")
+STAGES = ("sft", "reward", "ppo", "dpo", "evaluate")  # pipeline order; pipeline.stages picks which run
+StageName = Literal["sft", "reward", "ppo", "dpo", "evaluate"]
 
 
 class _Section(BaseModel):
@@ -39,7 +40,9 @@ PosInt = Field(gt=0)
 class Pipeline(_Section):
     name: str = Field("tiny", min_length=1)  # names the MLflow experiment's parent runs and registered models
     seed: int = 0                           # one seed: data generation, init, sampling
-    stages: list[Literal["sft", "reward", "ppo", "evaluate"]] = Field(list(STAGES), min_length=1)  # run up to the last one listed
+    # the stages to run, each with its inputs listed too: [sft, reward, ppo, evaluate] (RLHF with a learned RM),
+    # [sft, ppo, evaluate] (critic-free RL on ppo.reward_function), [sft, dpo, evaluate]; run in pipeline order
+    stages: list[StageName] = Field(["sft", "reward", "ppo", "evaluate"], min_length=1)
     artifacts_dir: str = Field("artifacts", min_length=1)  # the cache: <artifacts_dir>/<stage>/<key>/
 
 
@@ -142,17 +145,42 @@ class PPO(Steps):
                                             # response + its end token, + 25 % (stages/examples.py)
     missing_eos_penalty: Optional[float] = None  # added to the reward of responses that never end
     critic_init: Literal["reward", "sft"] = "reward"  # value head from the RM (score head) or fresh on SFT
+    # the advantage estimator: gae (a critic, learned values); the critic-free ones build no critic at all:
+    # grpo (reward - group mean, / group std), rloo (leave-one-out baseline), reinforce_pp (batch-whitened returns)
+    estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    samples_per_prompt: int = Field(1, gt=0)  # responses per prompt in one rollout (grpo, rloo: >= 2, the group)
+    scale_rewards: bool = True              # grpo: divide by the group's std (false: Dr. GRPO's unscaled form)
+    kl_in_loss: bool = False                # the KL to the reference as a loss term (GRPO's form), not in the reward
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"  # token_mean: DAPO's token-level; seq_mean: per
+                                            # response first, then over responses
+    reward_function: Optional[str] = None   # "FILE.py:NAME", called NAME(prompts, responses, rows) -> list[float]
+    reward_model_weight: float = Field(1.0, ge=0)  # reward = weight x RM score (+ the function's value, if named)
 
     @model_validator(mode="after")
     def _divides(self):
-        for big, small in (("rollout_batch_size", "minibatch_size"), ("minibatch_size", "micro_batch_size")):
-            if getattr(self, small) > getattr(self, big):
-                raise ValueError(f"{small} ({getattr(self, small)}) is larger than {big} ({getattr(self, big)}); "
-                                 f"expected {small} <= {big}")
-            if getattr(self, big) % getattr(self, small):
-                raise ValueError(f"{big} ({getattr(self, big)}) must be a multiple of {small} "
-                                 f"({getattr(self, small)})")
+        sequences = self.rollout_batch_size * self.samples_per_prompt  # rows of one rollout batch
+        rows = "rollout_batch_size" + (" x samples_per_prompt" if self.samples_per_prompt > 1 else "")
+        for big, small, n in ((rows, "minibatch_size", sequences),
+                              ("minibatch_size", "micro_batch_size", self.minibatch_size)):
+            m = getattr(self, small)
+            if m > n:
+                raise ValueError(f"{small} ({m}) is larger than {big} ({n}); expected {small} <= {big}")
+            if n % m:
+                raise ValueError(f"{big} ({n}) must be a multiple of {small} ({m})")
+        if self.estimator in ("grpo", "rloo") and self.samples_per_prompt < 2:
+            raise ValueError(f"estimator {self.estimator} compares the responses of one prompt with each other; "
+                             f"found samples_per_prompt={self.samples_per_prompt}, expected at least 2")
         return self
+
+
+class DPO(Optim):
+    """Direct preference optimisation on the preference data; the reference is the SFT model (with LoRA: the
+    base with its adapters off, no second copy)."""
+    epochs: int = Field(1, gt=0)
+    lr: float = Field(5e-6, gt=0)           # DPO moves a policy far with small steps (TRL's default: 1e-6)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    beta: float = Field(0.1, gt=0)          # strength of the pull to the reference (higher = closer)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: Rafailov et al.; ipo: Azar et al.
 
 
 class Evaluate(_Section):
@@ -245,6 +273,7 @@ class Params(_Section):
     sft: SFT = SFT()
     reward: Reward = Reward()
     ppo: PPO = PPO()
+    dpo: DPO = DPO()
     evaluate: Evaluate = Evaluate()
     tracking: Tracking = Tracking()
     engine: Engine = Engine()
@@ -362,6 +391,7 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
 def check_supported(p: Params) -> None:
     """Engine options whose code has not landed yet are refused up front, naming the issue that brings them."""
     e = p.engine
+    check_stages(p)
     check_roles(p)
     check_layout(p)
     if e.layout.tp % e.rollout.tp:
@@ -462,7 +492,62 @@ def check_roles(p: Params) -> None:
                              f"or none/null")
 
 
+POLICY_STAGES = ("ppo", "dpo")  # the stages that train the final policy; evaluation compares one with SFT
+
+
 def stage_list(p: Params) -> list[str]:
-    """Stages to run: every stage up to the last one listed, since each needs its predecessors' artifacts."""
-    last = max(STAGES.index(s) for s in p.pipeline.stages)
-    return list(STAGES[: last + 1])
+    """The stages to run, in pipeline order (pipeline.stages may list them in any order)."""
+    return [s for s in STAGES if s in p.pipeline.stages]
+
+
+def policy_stage(p: Params) -> Optional[str]:
+    """The stage whose policy evaluation compares with SFT (ppo or dpo), None when neither runs."""
+    return next((s for s in POLICY_STAGES if s in p.pipeline.stages), None)
+
+
+def stage_inputs(p: Params, stage: str) -> list[str]:
+    """The stages whose artifacts `stage` reads: PPO reads the RM when the reward stage runs; evaluation reads the
+    SFT policy, the trained one and, when there is one, the RM."""
+    run = p.pipeline.stages
+    rm = ["reward"] if "reward" in run else []
+    return {"sft": [], "reward": ["sft"], "ppo": ["sft", *rm], "dpo": ["sft"],
+            "evaluate": ["sft", *rm, *([policy_stage(p)] if policy_stage(p) else [])]}[stage]
+
+
+NEEDS = {"reward": ("sft",), "ppo": ("sft",), "dpo": ("sft",), "evaluate": ("sft",)}
+
+
+def check_stages(p: Params) -> None:
+    """pipeline.stages: every stage's inputs listed too, one policy stage, and PPO with something to learn from."""
+    run, listed = stage_list(p), p.pipeline.stages
+    if len(set(listed)) != len(listed):
+        raise InputError(f"pipeline.stages: {listed} names a stage twice; expected each stage once")
+    for stage in run:
+        for need in NEEDS.get(stage, ()):
+            if need not in run:
+                raise InputError(f"pipeline.stages: {stage} reads the {need} stage's artifact, but {need} is not "
+                                 f"listed (found {listed}); expected e.g. [sft, reward, ppo, evaluate], "
+                                 f"[sft, ppo, evaluate] or [sft, dpo, evaluate] (a cached stage costs nothing)")
+    if all(s in run for s in POLICY_STAGES):
+        raise InputError(f"pipeline.stages: both ppo and dpo listed (found {listed}); expected one policy stage "
+                         f"per run (run the other with its own pipeline.stages)")
+    if "evaluate" in run and policy_stage(p) is None:
+        raise InputError(f"pipeline.stages: evaluate compares SFT with a trained policy, but neither ppo nor dpo is "
+                         f"listed (found {listed}); expected ppo or dpo before evaluate")
+    if "ppo" in run:
+        check_ppo_rewards(p, "reward" in run)
+
+
+def check_ppo_rewards(p: Params, has_rm: bool) -> None:
+    """PPO learns from the RM, a reward function, or both mixed; a critic from the RM needs the RM."""
+    cfg = p.ppo
+    if not has_rm and cfg.reward_function is None:
+        raise InputError("ppo.reward_function: null, and pipeline.stages has no reward stage, so PPO has no reward; "
+                         "expected ppo.reward_function: FILE.py:NAME, or the reward stage listed before ppo")
+    if has_rm and cfg.reward_model_weight == 0 and cfg.reward_function is None:
+        raise InputError("ppo.reward_model_weight: 0 with no ppo.reward_function leaves PPO no reward; expected a "
+                         "weight > 0 or a reward function")
+    if not has_rm and cfg.estimator == "gae" and cfg.critic_init == "reward":
+        raise InputError("ppo.critic_init: reward, but pipeline.stages has no reward stage to start the critic "
+                         "from; expected critic_init: sft, or a critic-free ppo.estimator (grpo, rloo, "
+                         "reinforce_pp)")

@@ -15,8 +15,8 @@ from typing import Optional, Protocol
 from hybridcore.artifacts import artifact_dir, publish, read_verified, stage_lock, staging_dir
 from hybridcore.interrupts import graceful_stop
 from stages import launch
-from stages.keys import INPUTS, code_version, stage_params
-from stages.params import Params
+from stages.keys import code_version, stage_params
+from stages.params import STAGES, Params, stage_inputs
 
 
 class Sink(Protocol):
@@ -60,7 +60,7 @@ def run_stage(params: Params, stage: str, keys: dict[str, str], sink: Optional[S
     if not force and (hit := cached_result(params, stage, key)) is not None:
         return hit
     inputs = {}
-    for dep in INPUTS[stage]:
+    for dep in stage_inputs(params, stage):
         dep_hit = cached_result(params, dep, keys[dep])
         if dep_hit is None:
             raise RuntimeError(f"stage {stage} needs the {dep} artifact {keys[dep]}, which is missing or fails "
@@ -84,7 +84,7 @@ def run_stage(params: Params, stage: str, keys: dict[str, str], sink: Optional[S
                 metrics = module.run(params, inputs, tmp, sink or NullSink())
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         manifest = {"stage": stage, "key": key, "params": stage_params(params, stage),
-                    "inputs": {d: keys[d] for d in INPUTS[stage]}, "code_version": code_version(stage),
+                    "inputs": {d: keys[d] for d in stage_inputs(params, stage)}, "code_version": code_version(stage),
                     "metrics": metrics, "produced_by": run_id, "seconds": round(time.time() - t0, 2)}
         final = publish(tmp, manifest)
     return StageResult(stage, key, str(final.resolve()), False, metrics, run_id)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m stages.runner")
     ap.add_argument("params")
-    ap.add_argument("stage", choices=list(INPUTS))
+    ap.add_argument("stage", choices=list(STAGES))
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args(argv)
     install_handlers()

@@ -205,7 +205,7 @@ def test_kill_whole_flow_and_rerun(fault, reference, tmp_path):
     (earlier stages are cache hits) and ends with the uninterrupted run's weights."""
     import time
     cli = ["run", str(ROOT / "params" / "test.yaml"), "--set", "tracking.enabled=false",
-           "--set", "pipeline.stages=[ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
+           "--set", "pipeline.stages=[sft,reward,ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
     env_fault = {**EXACT_ENV, FAULT_ENV: fault}
     proc = run_cli(cli, tmp_path, extra_env=env_fault)
     assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
@@ -242,7 +242,7 @@ def test_sigterm_through_the_flow(reference, tmp_path):
     """The same through the CLI and Prefect (whose own SIGTERM bridge is set aside while a stage trains):
     exit code 130 and one 'interrupted' line, then an exact resume."""
     cli = ["run", str(ROOT / "params" / "test.yaml"), "--set", "tracking.enabled=false",
-           "--set", "pipeline.stages=[ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
+           "--set", "pipeline.stages=[sft,reward,ppo]", "--summary-json", "s.json"] + [x for s in SETS for x in ("--set", s)]
     proc = run_cli(cli, tmp_path, extra_env={**EXACT_ENV, FAULT_ENV: "ppo:term:2"})
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
     assert "interrupted: ppo stopped after step 3" in proc.stderr

@@ -106,7 +106,7 @@ def test_unknown_key_message_names_the_file():
     ({"sft": {"lr": "fast"}}, "sft.lr"),
     ({"ppo": {"iterations": 2.5}}, "ppo.iterations"),
     ({"ppo": {"iterations": "many"}}, "ppo.iterations"),
-    ({"pipeline": {"stages": ["sft", "dpo"]}}, "pipeline.stages"),
+    ({"pipeline": {"stages": ["sft", "rm"]}}, "pipeline.stages"),
     ({"engine": {"precision": "fp16"}}, "engine.precision"),
     ({"ppo": {"kl_coef": [0.1]}}, "ppo.kl_coef"),
 ])
@@ -372,7 +372,7 @@ def test_overrides_model_rejects_unknown_key(value):
         Overrides.model_validate(value)
 
 
-@pytest.mark.parametrize("value", [{"ppo": {"kl_coef": "x"}}, {"pipeline": {"stages": ["dpo"]}},
+@pytest.mark.parametrize("value", [{"ppo": {"kl_coef": "x"}}, {"pipeline": {"stages": ["rm"]}},
                                    {"sft": {"epochs": "many"}}])
 def test_overrides_model_rejects_wrong_type(value):
     """A wrong type or literal is a pydantic ValidationError in Overrides."""
@@ -423,14 +423,41 @@ def test_check_supported_on_a_params_object():
 
 @pytest.mark.parametrize("stages, expected", [
     (["sft"], ["sft"]),
-    (["reward"], ["sft", "reward"]),
-    (["ppo"], ["sft", "reward", "ppo"]),
-    (["evaluate"], ["sft", "reward", "ppo", "evaluate"]),
-    (["ppo", "sft"], ["sft", "reward", "ppo"]),
+    (["sft", "reward"], ["sft", "reward"]),
+    (["evaluate", "ppo", "sft"], ["sft", "ppo", "evaluate"]),
+    (["sft", "dpo", "evaluate"], ["sft", "dpo", "evaluate"]),
+    (["sft", "reward", "dpo", "evaluate"], ["sft", "reward", "dpo", "evaluate"]),
 ])
-def test_stage_list_runs_up_to_last_listed(stages, expected):
-    """stage_list is every stage up to the last one listed, in pipeline order."""
-    assert stage_list(load_params("test", {"pipeline": {"stages": stages}})) == expected
+def test_stage_list_in_pipeline_order(stages, expected):
+    """stage_list is the listed stages in pipeline order (a reward function stands in for a missing RM)."""
+    p = load_params("test", {"pipeline": {"stages": stages}, "ppo": {"reward_function": __file__ + ":f",
+                                                                 "critic_init": "sft"}})
+    assert stage_list(p) == expected
+
+
+@pytest.mark.parametrize("stages, ppo, says", [
+    (["ppo"], {}, "ppo reads the sft stage's artifact, but sft is not listed"),
+    (["reward", "ppo"], {}, "reward reads the sft stage's artifact"),
+    (["sft", "dpo", "ppo", "evaluate"], {}, "both ppo and dpo listed"),
+    (["sft", "reward", "evaluate"], {}, "neither ppo nor dpo is listed"),
+    (["sft", "ppo", "evaluate"], {}, "ppo.reward_function: null, and pipeline.stages has no reward stage"),
+    (["sft", "ppo", "evaluate"], {"reward_function": "f.py:g"}, "ppo.critic_init: reward, but pipeline.stages"),
+    (["sft", "reward", "ppo"], {"reward_model_weight": 0}, "ppo.reward_model_weight: 0 with no"),
+    (["sft", "sft"], {}, "names a stage twice"),
+])
+def test_stage_list_refused(stages, ppo, says):
+    """A stage whose inputs are not listed, two policy stages, or PPO with nothing to learn from: one line."""
+    msg = _error({"pipeline": {"stages": stages}, "ppo": ppo})
+    assert says in msg and "\n" not in msg, msg
+
+
+def test_critic_free_needs_groups():
+    """grpo and rloo with one sample per prompt are refused naming the field; minibatches count sequences."""
+    msg = _error({"ppo": {"estimator": "grpo"}})
+    assert "ppo" in msg and "samples_per_prompt=1, expected at least 2" in msg, msg
+    p = load_params("test", {"ppo": {"estimator": "rloo", "samples_per_prompt": 4, "rollout_batch_size": 8,
+                                     "minibatch_size": 32, "micro_batch_size": 8}})
+    assert p.ppo.samples_per_prompt == 4
 
 
 def test_stage_list_default_is_every_stage():
