@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +41,18 @@ def tiny_run(tmp_path_factory) -> PipelineRun:
     seconds = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     return PipelineRun(workdir, json.loads((workdir / "summary.json").read_text()), proc.stdout, seconds)
+
+
+@pytest.fixture
+def tiny_artifacts(tiny_run, tmp_path) -> Path:
+    """A fresh artifacts folder holding copies of the session's tiny SFT and RM artifacts: a test that runs a later
+    stage on the tiny preset (pipeline.artifacts_dir = this folder) finds them as cache hits instead of training
+    SFT again (their keys do not depend on the later stages' params or on pipeline.stages)."""
+    root = tmp_path / "artifacts"
+    for stage in ("sft", "reward"):
+        src = Path(tiny_run.summary["stages"][stage]["artifact"])
+        shutil.copytree(src, root / stage / src.name)
+    return root
 
 
 def assert_learns(summary: dict) -> None:
