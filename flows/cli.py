@@ -14,13 +14,20 @@ import time
 from pathlib import Path
 
 from flows import settings
+from stages.params import STAGES
 
 HEADLINE = {
     "sft": ("train_loss", "heldout_loss", "heldout_token_accuracy"),
     "reward": ("heldout_accuracy", "heldout_margin"),
     "ppo": ("reward_first", "reward_last", "kl_last"),
-    "evaluate": ("sft_accuracy", "ppo_accuracy", "sft_exact_match", "ppo_exact_match", "sft_reward", "ppo_reward"),
+    "dpo": ("heldout_accuracy", "heldout_margin"),
+    "evaluate": tuple(f"{who}_{what}" for what in ("accuracy", "exact_match", "reward") for who in ("sft", "ppo", "dpo")),
 }
+
+
+def policy_of(ev: dict) -> str:
+    """The trained policy an evaluation compared with SFT (its metrics are named after it)."""
+    return next((name for name in ("ppo", "dpo") if f"{name}_ended" in ev), "ppo")
 
 
 def summary_table(summary: dict) -> str:
@@ -30,9 +37,11 @@ def summary_table(summary: dict) -> str:
         lines.append(f"{stage:<9} {'yes' if r['cached'] else 'no':<7} {r['key']:<21} {shown}")
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
     if ev:
-        lines.append(f"held-out prompts: {int(ev['prompts'])}; reward SFT {ev['sft_reward']:.3f} -> PPO "
-                     f"{ev['ppo_reward']:.3f}" + (f"; task accuracy SFT {ev['sft_accuracy']:.1%} -> PPO "
-                                                 f"{ev['ppo_accuracy']:.1%}" if "sft_accuracy" in ev else ""))
+        name = policy_of(ev)
+        parts = [f"{label} SFT {ev[f'sft_{what}']:{fmt}} -> {name.upper()} {ev[f'{name}_{what}']:{fmt}}"
+                 for what, label, fmt in (("reward", "reward", ".3f"), ("accuracy", "task accuracy", ".1%"))
+                 if f"sft_{what}" in ev]
+        lines.append("; ".join([f"held-out prompts: {int(ev['prompts'])}", *parts]))
     lines += warnings(summary)
     lines.append(f"artifacts: {Path(next(iter(summary['stages'].values()))['artifact']).parent.parent}"
                  if summary["stages"] else "")
@@ -51,7 +60,7 @@ def warnings(summary: dict) -> list[str]:
                    f"{ppo['truncated_fraction_last']:.0%}); the reward model scored unfinished text: raise "
                    f"ppo.max_new_tokens")
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
-    for name in ("sft", "ppo"):
+    for name in ("sft", "ppo", "dpo"):
         if ev.get(f"{name}_ended", 1.0) < 0.9:
             out.append(f"warning: evaluate: only {ev[f'{name}_ended']:.0%} of {name.upper()}'s answers ended within "
                        f"max_new_tokens={int(ev['max_new_tokens'])}: raise evaluate.max_new_tokens")
@@ -97,7 +106,7 @@ def cmd_run(args) -> int:
 
     overrides = parse_sets(args.set or [])
     if args.no_cache:
-        args.force_stage = ["sft", "reward", "ppo", "evaluate"]
+        args.force_stage = list(STAGES)
     params = load_params(args.params, overrides)
     preflight(params)
     from flows.server import api_server
@@ -161,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("params", help="a params YAML file, or a preset name in params/ (e.g. tiny)")
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override one field (repeatable)")
     run.add_argument("--summary-json", metavar="PATH", help="write stages' artifacts, keys, cache status, metrics")
-    run.add_argument("--force-stage", action="append", metavar="STAGE", choices=["sft", "reward", "ppo", "evaluate"],
+    run.add_argument("--force-stage", action="append", metavar="STAGE", choices=list(STAGES),
                      help="run this stage even if its artifact is cached (repeatable)")
     run.add_argument("--no-cache", action="store_true", help="run every stage, ignoring cached artifacts")
     run.add_argument("--debug", action="store_true", help="show full tracebacks")

@@ -6,7 +6,7 @@ and a task that runs finds a verified artifact before it trains anything.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 from prefect import flow, task
 from prefect.cache_policies import CachePolicy
@@ -15,7 +15,7 @@ from prefect.context import get_run_context
 from flows.tracking import StageRun, Tracker
 from stages.checks import preflight
 from stages.keys import stage_keys, stage_params
-from stages.params import Overrides, Params, load_params, stage_list
+from stages.params import Overrides, Params, StageName, load_params, stage_list
 from stages.runner import NullSink, StageResult, cached_result, run_stage
 
 
@@ -64,10 +64,10 @@ def _run(stage: str, args: dict, params: Params, keys: dict) -> tuple[StageResul
 
 @flow(name="rlhf")
 def rlhf(preset: str = "tiny", overrides: Optional[Overrides] = None,
-         force: Optional[list[Literal["sft", "reward", "ppo", "evaluate"]]] = None) -> dict:
-    """SFT -> reward model -> PPO -> evaluation on the params `preset` (a name in params/ or a YAML path)
-    with `overrides` deep-merged onto it; stages named in `force` run even when cached. Returns the run
-    summary (see --summary-json in the README)."""
+         force: Optional[list[StageName]] = None) -> dict:
+    """The stages pipeline.stages lists (by default SFT -> reward model -> PPO -> evaluation) on the params
+    `preset` (a name in params/ or a YAML path) with `overrides` deep-merged onto it; stages named in `force` run
+    even when cached. Returns the run summary (see --summary-json in the README)."""
     if isinstance(overrides, dict):
         overrides = Overrides.model_validate(overrides)
     params = load_params(preset, overrides.model_dump(exclude_none=True) if overrides else None)

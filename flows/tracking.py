@@ -19,7 +19,7 @@ from stages.runner import NullSink, StageResult
 
 log = logging.getLogger(__name__)
 PPO_PHASES = ("rollout", "scoring", "update")   # consecutive in stages/ppo.py, the last ending at sink.log
-REGISTERED = {"policy": ("ppo", "sft"), "reward": ("reward",)}   # role -> the stages it comes from, first present
+REGISTERED = {"policy": ("ppo", "dpo", "sft"), "reward": ("reward",)}   # role -> the stages it comes from, first present
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -183,12 +183,12 @@ class Tracker:
             self.client.set_tag(run_id, k, v)
 
     def _log_samples(self, run_id: str, artifact: Path) -> None:
-        """evaluate's samples.jsonl as an MLflow table: prompt, SFT and PPO answers, their rewards."""
+        """evaluate's samples.jsonl as an MLflow table: prompt, the SFT and the trained policy's answers, rewards."""
         import pandas as pd
         rows = [json.loads(line) for line in (artifact / "samples.jsonl").read_text().splitlines() if line.strip()]
         df = pd.DataFrame(rows).drop(columns=["prompt"], errors="ignore")  # prompt_text: the same, as text
-        first = [c for c in ("prompt_text", "answer", "sft_response", "ppo_response", "sft_reward", "ppo_reward")
-                 if c in df.columns]
+        first = [c for c in ("prompt_text", "answer", "sft_response", "ppo_response", "dpo_response", "sft_reward",
+                             "ppo_reward", "dpo_reward") if c in df.columns]
         self.client.log_table(run_id, data=df[first + [c for c in df.columns if c not in first]],
                               artifact_file="samples_table.json")
 

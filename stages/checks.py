@@ -23,7 +23,7 @@ from stages.params import Params, stage_list
 DISK_FLOOR = 256 * 2**20   # bytes; below this even a preset run is clearly out of room
 DISK_FACTOR = 4            # the three stage models plus at least one checkpoint: a lower bound, not a peak
 BATCHES = (("sft", "sft", "batch_size", "n_sft"), ("reward", "preferences", "batch_size", "n_preferences"),
-           ("ppo", "prompts", "rollout_batch_size", "n_prompts"))
+           ("ppo", "prompts", "rollout_batch_size", "n_prompts"), ("dpo", "preferences", "batch_size", "n_preferences"))
 
 
 def preflight(p: Params) -> None:
@@ -37,7 +37,8 @@ def preflight(p: Params) -> None:
     _disk(p, root, n_params)
     _memory(p, n_params)
     _rollout_backend(p)
-    _checker(p)
+    _user_functions(p)
+    _own_data(p)
     _template(p, tok)
     tables = {kind: data.read_table(getattr(p.data, kind).path, kind, getattr(p.data, kind).columns)
               for kind in data.KINDS if getattr(p.data, kind).path is not None}
@@ -96,7 +97,7 @@ def _context(p: Params, positions: Optional[int], where: str) -> None:
     if positions is None:
         return
     run = stage_list(p)
-    for stage in ("sft", "reward"):
+    for stage in ("sft", "reward", "dpo"):
         n = getattr(p, stage).max_seq_len
         if stage in run and n is not None and n > positions:
             raise InputError(f"{stage}.max_seq_len ({n}) is longer than the model's context ({positions} positions, "
@@ -140,10 +141,16 @@ def _weights_bytes(p: Params, n_params: int) -> int:
 
 BYTES = {"fp32": 4, "bf16": 2}
 QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5}
-# Which roles each stage holds, and whether it trains them (AdamW: gradient + two states, in the weights' dtype)
-HOLDS = {"sft": (("actor", True),), "reward": (("reward", True),),
-         "ppo": (("actor", True), ("critic", True), ("reference", False), ("reward", False)),
-         "evaluate": (("actor", False), ("actor", False), ("reward", False))}
+def holds(p: Params, stage: str) -> tuple[tuple[str, bool], ...]:
+    """Which roles `stage` holds, and whether it trains them (AdamW: gradient + two states, in the weights' dtype):
+    a critic-free PPO builds no critic, a run without the reward stage has no RM, a LoRA actor's DPO reference is
+    its own base with the adapters off."""
+    rm = (("reward", False),) if "reward" in p.pipeline.stages else ()
+    critic = (("critic", True),) if p.ppo.estimator == "gae" else ()
+    ref = () if p.engine.roles.actor.lora is not None else (("reference", False),)
+    return {"sft": (("actor", True),), "reward": (("reward", True),),
+            "ppo": (("actor", True), *critic, ("reference", False), *rm), "dpo": (("actor", True), *ref),
+            "evaluate": (("actor", False), ("actor", False), *rm)}[stage]
 
 
 def static_bytes(p: Params, stage: str, n_params: int) -> int:
@@ -151,7 +158,7 @@ def static_bytes(p: Params, stage: str, n_params: int) -> int:
     activations, no KV cache). A quantised weight counts its packed size; LoRA's adapters are ~1 % and left out;
     with share_base the actor's base serves critic and reference, so it counts once."""
     total = 0.0
-    for role, trained in HOLDS[stage]:
+    for role, trained in holds(p, stage):
         r = getattr(p.engine.roles, role)
         if stage == "ppo" and p.engine.share_base and role in ("critic", "reference"):
             continue
@@ -249,11 +256,27 @@ def _batches(p: Params, tables: dict) -> None:
                              f"least {what}={size} training rows (one full batch)")
 
 
-def _checker(p: Params) -> None:
-    """evaluate.checker names a file and a function that import (the user named it: that is the consent)."""
-    if p.evaluate.checker is not None and "evaluate" in stage_list(p):
-        from stages import user_code
-        user_code.load(p.evaluate.checker, "evaluate.checker")
+def _user_functions(p: Params) -> None:
+    """evaluate.checker and ppo.reward_function name files and functions that import (the user named them: that
+    is the consent to run them)."""
+    from stages import user_code
+    run = stage_list(p)
+    for stage, field in (("evaluate", "checker"), ("ppo", "reward_function")):
+        spec = getattr(getattr(p, stage), field)
+        if spec is not None and stage in run:
+            user_code.load(spec, f"{stage}.{field}")
+
+
+def _own_data(p: Params) -> None:
+    """A run on the user's own files reads the user's preferences too: DPO (and the RM) would otherwise train on
+    the built-in task's pairs without a word."""
+    run = stage_list(p)
+    own = [kind for kind in ("sft", "prompts") if getattr(p.data, kind).path is not None]
+    for stage in ("dpo", "reward"):
+        if stage in run and own and p.data.preferences.path is None:
+            raise InputError(f"data.preferences.path: null, but {stage} trains on preference pairs and this run "
+                             f"reads your own data.{own[0]}.path; expected a preferences file (prompt, chosen, "
+                             f"rejected rows) or no own files at all (the built-in task)")
 
 
 def _template(p: Params, tok) -> None:
@@ -289,10 +312,12 @@ def _rows(p: Params, tok, tables: dict, positions: Optional[int]) -> None:
         ds = tables["sft"]
         examples.sft_examples(tok, ds, data.is_conversational(ds, "sft"), limit(p.sft.max_seq_len),
                               data.source(p, "sft"), positions if known else None, report=known)
-    if "preferences" in tables and "reward" in run:
-        ds = tables["preferences"]
-        examples.pair_examples(tok, ds, data.is_conversational(ds, "preferences"), limit(p.reward.max_seq_len),
-                               data.source(p, "preferences"), positions if known else None, report=known)
+    for stage in ("reward", "dpo"):
+        if "preferences" in tables and stage in run:
+            ds = tables["preferences"]
+            examples.pair_examples(tok, ds, data.is_conversational(ds, "preferences"),
+                                   limit(getattr(p, stage).max_seq_len), data.source(p, "preferences"),
+                                   positions if known else None, report=known, field=f"{stage}.max_seq_len")
     if "prompts" in tables:
         ps = examples.prompt_set(tok, tables["prompts"], data.source(p, "prompts"))
         new = max([getattr(p, s).max_new_tokens or 0 for s in ("ppo", "evaluate") if s in run], default=0)

@@ -126,7 +126,7 @@ class PairExamples:
 
 
 def pair_examples(tok, ds, conversational: bool, limit: Optional[int], what: str, positions: Optional[int],
-                  report: bool = True) -> PairExamples:
+                  report: bool = True, field: str = "reward.max_seq_len") -> PairExamples:
     chosen, rejected, longest = [], [], 0
     for i, row in enumerate(ds):
         where = f"{what} {data.where(ds, i)}"
@@ -139,8 +139,7 @@ def pair_examples(tok, ds, conversational: bool, limit: Optional[int], what: str
         for side in ("chosen", "rejected"):
             full = list(row["prompt"]) + row[side] if conversational else row[side]
             longest = max(longest, reply_tokens(tok, full, conversational, where))
-    _fit(ds, [max(len(c), len(r)) for c, r in zip(chosen, rejected)], limit, "reward.max_seq_len", what, positions,
-         report)
+    _fit(ds, [max(len(c), len(r)) for c, r in zip(chosen, rejected)], limit, field, what, positions, report)
     return PairExamples(chosen, rejected, longest)
 
 
