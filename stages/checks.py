@@ -38,12 +38,12 @@ def preflight(p: Params) -> None:
     _memory(p, n_params)
     _rollout_backend(p)
     _user_functions(p)
-    _own_data(p)
     _template(p, tok)
     tables = {kind: data.read_table(getattr(p.data, kind).path, kind, getattr(p.data, kind).columns)
               for kind in data.KINDS if getattr(p.data, kind).path is not None}
     _batches(p, tables)
     _rows(p, tok, tables, positions)
+    _own_data(p)
 
 
 def _artifacts_root(p: Params) -> Path:
@@ -268,15 +268,14 @@ def _user_functions(p: Params) -> None:
 
 
 def _own_data(p: Params) -> None:
-    """A run on the user's own files reads the user's preferences too: DPO (and the RM) would otherwise train on
+    """A DPO run on the user's own files needs the user's preferences: it would otherwise train the user's policy on
     the built-in task's pairs without a word."""
     run = stage_list(p)
     own = [kind for kind in ("sft", "prompts") if getattr(p.data, kind).path is not None]
-    for stage in ("dpo", "reward"):
-        if stage in run and own and p.data.preferences.path is None:
-            raise InputError(f"data.preferences.path: null, but {stage} trains on preference pairs and this run "
-                             f"reads your own data.{own[0]}.path; expected a preferences file (prompt, chosen, "
-                             f"rejected rows) or no own files at all (the built-in task)")
+    if "dpo" in run and own and p.data.preferences.path is None:
+        raise InputError(f"data.preferences.path: null, but dpo trains on preference pairs and this run "
+                         f"reads your own data.{own[0]}.path; expected a preferences file (prompt, chosen, "
+                         f"rejected rows) or no own files at all (the built-in task)")
 
 
 def _template(p: Params, tok) -> None:
