@@ -155,6 +155,8 @@ def cmd_example_data(args) -> int:
     paths = example_files.write(Path(args.out), load_params(args.params), args.conversational)
     for kind, path in paths.items():
         print(f"data.{kind}.path: {path}")
+    print(f"ppo.reward_function: {Path(args.out) / 'reward.py'}:correct   (a verifier of the answers: critic-free "
+          f"RL without a reward model)")
     return 0
 
 

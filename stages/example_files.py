@@ -10,6 +10,7 @@ file by data.heldout_fraction.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from stages import data
@@ -48,11 +49,13 @@ def conversational_rows(kind: str, params) -> list[dict]:
 
 
 def write(out_dir: Path, params, conversational: bool) -> dict[str, Path]:
-    """sft.jsonl, preferences.jsonl and prompts.jsonl under out_dir; returns {kind: path}."""
+    """sft.jsonl, preferences.jsonl and prompts.jsonl under out_dir, and reward.py (a verifier for
+    ppo.reward_function: stages/example_reward.py); returns {kind: path}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for kind in data.KINDS:
         rows = (conversational_rows if conversational else standard_rows)(kind, params)
         paths[kind] = out_dir / f"{kind}.jsonl"
         paths[kind].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    shutil.copyfile(Path(__file__).with_name("example_reward.py"), out_dir / "reward.py")
     return paths
