@@ -9,7 +9,7 @@ the process is capped at 22 GiB, what a 24 GB card leaves): decoder Linears beco
 quantisation, bf16 compute) one at a time from random bf16 weights; embeddings, norms and heads stay bf16. From
 there everything is the pipeline's own code: share_base (actor + critic LoRA adapters and a value head on one
 frozen 4-bit base, reference = adapters off), a separate 4-bit reward model, activation checkpointing, the
-chunked LM head, the native rollout through HybridActor, and stages/ppo.py's make_experience and update with
+chunked LM head, the native rollout through HybridActor, and stages/ppo.py's PpoStep (experience, update) with
 the memory ledger's phases. Workload: 1024 prompt + 1024 response tokens, rollout batch 8, micro-batch 2,
 gradient accumulation 4 (minibatch 8), one PPO epoch, sdpa. JSON and markdown go to --out after every row.
 """
@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import stages.estimators as estimators  # noqa: E402
 import stages.ppo as ppo  # noqa: E402
+import stages.rewards as rewards  # noqa: E402
+from stages.ppo import PpoStep  # noqa: E402
+from stages.rewards import Responses, Rewards  # noqa: E402
 from hybridcore import forward  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec  # noqa: E402
@@ -195,15 +200,15 @@ class Bench:
         responses = self.rollout(offload) if rollout else self.responses
         if rollout:
             self.responses = responses
-        make_exp = ppo.make_experience if frozen else ppo.make_experience.__wrapped__
+        step = PpoStep(cfg, self.m, self.engines, Rewards(cfg, uses_rm=True), micro, phase=self.ledger.phase)
+        experience = step.experience if frozen else partial(PpoStep.experience.__wrapped__, step)
         with self.ledger.phase("scoring") as mem, torch.set_grad_enabled(not frozen):
-            # --rm cpu: make_experience brings the RM in for its scoring (engine.roles.reward.offload's path)
+            # --rm cpu: the step brings the RM in for its scoring (engine.roles.reward.offload's path)
             self.m.moved_in = lambda: mem.hold("weights", self.ledger.held_now()["weights"])
             batch = pack(self.prompts, responses, PAD, self.device)
-            exp = make_exp(cfg, batch, batch, self.m, [], micro)  # no text: the RM reads the same tokens
+            exp = experience(batch, Responses(self.it, [], [], [], scored=batch))  # the RM reads the same tokens
         exp = {k: v.detach() for k, v in exp.items()}  # unfrozen: the graphs lived through scoring, not beyond
-        stats = ppo.update(cfg, batch, exp, self.m, self.engines, ppo.update_backoffs(micro), 0, self.it,
-                           phase=self.ledger.phase)
+        stats = step.update(batch, exp, 0, self.it)
         sync(self.device)
         total = time.perf_counter() - t0
         recs = self.ledger.last if self.ledger.metrics() else {}
@@ -215,14 +220,16 @@ class Bench:
         trained = {id(p) for e in self.engines for p in e.trained}
         params = [p for mod in (self.sb.model, self.rm) for p in mod.parameters()
                   if id(p) not in trained and p.is_floating_point()]
-        saved = forward.batched
-        ppo.batched = forward.batched.__wrapped__  # the grad-free wrapper off: what no freezing looks like
+        users = (ppo, rewards, estimators)  # the modules whose forwards the step runs through batched()
+        for mod in users:
+            mod.batched = forward.batched.__wrapped__  # the grad-free wrapper off: what no freezing looks like
         for p in params:
             p.requires_grad_(True)
         try:
             yield
         finally:
-            ppo.batched = saved
+            for mod in users:
+                mod.batched = forward.batched
             for p in params:
                 p.requires_grad_(False)
                 p.grad = None

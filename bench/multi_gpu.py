@@ -6,7 +6,7 @@
 Layouts (world = dp x tp, tp fastest): one GPU (the baseline of scaling efficiency), dp-only (ZeRO-2), tp-only,
 dp x tp (ZeRO-2, N >= 4) and rollout tp smaller than training tp. Every layout runs the pipeline's own code:
 parallel.init's groups, tensor_parallel.split_model, engine.make_engine, HybridActor (rollout_tp=) and
-stages/ppo.py's make_experience / update, on random weights, greedy (fp32 layouts must produce the same tokens,
+stages/ppo.py's PpoStep (experience, update), on random weights, greedy (fp32 layouts must produce the same tokens,
 checked; bf16 ones report their share of equal tokens). JSON and a markdown table go to --out after every layout,
 so a timeout keeps what ran.
 """
@@ -99,6 +99,7 @@ def worker(a) -> None:
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     import stages.ppo as ppo
+    from stages.rewards import Responses, Rewards
     from hybridcore import parallel
     from hybridcore.actor import HybridActor
     from hybridcore.batch import pack
@@ -143,7 +144,7 @@ def worker(a) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, s.actor["vocab_size"], (s.batch, s.prompt), generator=gen).tolist()
     mine = dp_share(prompts, g)
-    backoffs = ppo.update_backoffs(s.micro)
+    step = ppo.PpoStep(cfg, m, engines, Rewards(cfg, uses_rm=True), s.micro)
     sync()
     build_s = time.perf_counter() - t0
     steps, first_tokens = [], None
@@ -155,10 +156,10 @@ def worker(a) -> None:
         sync()
         t.append(time.perf_counter())
         batch = pack(mine, responses, PAD, dev)
-        exp = ppo.make_experience(cfg, batch, batch, m, [], s.micro)  # the RM reads the same tokens
+        exp = step.experience(batch, Responses(it, [], [], [], scored=batch))  # the RM reads the same tokens
         sync()
         t.append(time.perf_counter())
-        stats = ppo.update(cfg, batch, exp, m, engines, backoffs, it, it)
+        stats = step.update(batch, exp, it, it)
         sync()
         t.append(time.perf_counter())
         if it == 0:

@@ -76,12 +76,13 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1"
     raise ValueError(f"kl estimator must be k1, k2 or k3, got {estimator!r}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip: float):
-    """PPO's clipped surrogate. Returns (loss, clip fraction, approximate KL old->new)."""
+def policy_loss(logp, old_logp, advantages, mask, clip: float, agg: str = "token_mean"):
+    """PPO's clipped surrogate, reduced by `agg` (see aggregate). Returns (loss, clip fraction, approximate KL
+    old->new); the last two are token means whatever `agg` says."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
     approx_kl = masked_mean(0.5 * (logp - old_logp) ** 2, mask)
     return loss, clipfrac, approx_kl

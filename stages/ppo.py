@@ -1,13 +1,14 @@
-"""PPO: the actor (from SFT) learns from the reward model's scores, held near a frozen reference.
+"""PPO: the actor (from SFT) learns from rewards on its own responses, held near a frozen reference.
 
-Per rollout batch: sample responses from the actor's own weights (the hybrid actor, no copy); score
-them with the RM; old log-probs, reference log-probs and values without autograd; per-token reward =
--kl_coef * KL + RM score on the last token; GAE with whitened advantages; then several epochs over
-minibatches of clipped policy and clipped value updates. The critic is the RM's backbone and score
-head applied per token (or a fresh head on the SFT model).
+Per rollout batch: each picked prompt answered ppo.samples_per_prompt times by the actor's own weights (the hybrid
+actor, no copy); each response rewarded (stages/rewards.py: the RM's score and/or the user's reward function); old
+and reference log-probs without autograd; advantages by ppo.estimator (stages/estimators.py: gae with a learned
+critic, or the critic-free grpo, rloo and reinforce_pp); then ppo_epochs over minibatches of the clipped policy
+update (and, with gae, the clipped value update). gae's critic is the RM's backbone and score head applied per
+token (or a fresh head on the SFT model); a critic-free run builds no critic at all.
 
-With engine.share_base the actor and critic are LoRA adapters on one frozen base and the reference is
-that base with the adapters off (hybridcore/shared_base.py); `Models.use(role)` picks which one computes.
+With engine.share_base the trained roles are LoRA adapters on one frozen base and the reference is that base with
+the adapters off (hybridcore/shared_base.py); `Models.use(role)` picks which one computes.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import torch
 
 from hybridcore import rl
 from hybridcore.actor import HybridActor
+from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters, use_adapter
 from hybridcore.batch import pack
-from hybridcore.forward import (batched, response_logprobs, response_logprobs_entropy, response_values, sequence_scores,
-                                sequences)
+from hybridcore.forward import batched, response_logprobs, response_logprobs_entropy, response_values
 from hybridcore.errors import say
 from hybridcore.freezing import TrainableState, assert_frozen
 from hybridcore.ledger import MemoryLedger
@@ -34,9 +35,11 @@ from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
 from hybridcore.interrupts import fault_active, fault_point
 from hybridcore.engine import checkpoint_parts
+from stages import estimators
 from stages.common import (Resumable, StepLog, check_prompt_room, checkpointed, checkpointing,
                            context_of, export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
                            role_precision, seed_all, tp_split, trainer, with_lora)
+from stages.rewards import Responses, Rewards
 
 
 def prompt_stream(n: int, size: int, seed: int):
@@ -51,18 +54,19 @@ def prompt_stream(n: int, size: int, seed: int):
 
 @dataclass
 class Models:
-    """PPO's four roles. `actor_params` / `critic_params` are what each optimiser updates and clips (the whole
-    model, or adapters and a value head); `peft` is set when the actor has adapters."""
+    """PPO's roles: `critic` is None for a critic-free estimator, `rm` None when no reward model scores.
+    `actor_params` / `critic_params` are what each optimiser updates and clips (the whole model, or adapters and a
+    value head); `peft` is set when the actor has adapters."""
     policy: torch.nn.Module
     ref: torch.nn.Module
-    critic: torch.nn.Module
-    rm: torch.nn.Module
+    critic: Optional[torch.nn.Module]
+    rm: Optional[torch.nn.Module]
     actor_params: object
     critic_params: object
     checkpoint: dict
     peft: object = None
     adapter: str = "default"
-    shared: Optional[SharedBase] = None
+    shared: object = None  # SharedBase, or ActorOnBase without a critic
     homes: dict = field(default_factory=dict)   # role -> where an offloaded frozen role's weights live (the CPU)
     moved_in: Callable[[], None] = lambda: None  # called once an offloaded role is on the device (the ledger)
 
@@ -78,39 +82,90 @@ class Models:
                 self.moved_in()
             yield
 
+    def roles(self) -> dict[str, torch.nn.Module]:
+        """The roles this run has, by name: what the freezing check, the planner and the memory ledger look at."""
+        every = {"actor": self.policy, "reference": self.ref, "critic": self.critic, "reward": self.rm}
+        return {name: model for name, model in every.items() if model is not None}
+
+    def trained(self) -> dict[str, object]:
+        """What each optimiser trains: the actor's parameters, and the critic's when there is one."""
+        return {"actor": self.actor_params, **({"critic": self.critic_params} if self.critic is not None else {})}
+
+    def train(self) -> None:
+        """Training mode for the trained roles (activation checkpointing applies in training mode only)."""
+        for model in (self.policy, self.critic):
+            if model is not None:
+                model.train()
+
     def frozen_check(self, optimizers) -> None:
-        assert_frozen("ppo", {"actor": self.policy, "reference": self.ref, "critic": self.critic, "reward": self.rm},
-                      optimizers)
+        assert_frozen("ppo", self.roles(), optimizers)
+
+
+class ActorOnBase:
+    """engine.share_base without a critic: the actor's adapter on the frozen base; the reference = adapters off."""
+    head = None
+
+    def __init__(self, base, spec: LoraSpec):
+        base.requires_grad_(False)
+        self.peft = add_lora(base, spec, "engine.roles.actor", "actor")
+        self.model = self.peft.get_base_model()
+        self.actor_params = TrainableState(adapter_parameters(self.model, "actor"))
+        self.model.requires_grad_(False)
+        for q in self.actor_params.parameters():
+            q.requires_grad_(True)
+
+    def use(self, role: str):
+        return use_adapter(self.model, "actor" if role == "actor" else None)
 
 
 def load_models(p, inputs: dict[str, Path], tok) -> Models:
-    cfg = p.ppo
-    sft, rm_dir = inputs["sft"] / "model", inputs["reward"] / "model"
-    rm = frozen(load_scorer(p, rm_dir, "reward", tok.pad_token_id))
+    """The roles from the SFT (and RM) artifacts: a critic only for an estimator that learns one, the RM only when
+    the reward stage ran and its score weighs something (or a shared critic's value head starts from it)."""
+    cfg, critic = p.ppo, estimators.ESTIMATORS[p.ppo.estimator].critic
+    head_from_rm = critic and p.engine.share_base and cfg.critic_init == "reward"
+    rm = None
+    if "reward" in inputs and (cfg.reward_model_weight > 0 or head_from_rm):
+        rm = frozen(load_scorer(p, inputs["reward"] / "model", "reward", tok.pad_token_id))
     homes = offload_homes(p)
-    if "reward" in homes:  # quantised on the device as it loaded, then parked until each scoring
+    if rm is not None and "reward" in homes:  # quantised on the device as it loaded, then parked until each scoring
         rm.to(homes["reward"])
     if p.engine.share_base:
-        base = load_policy(p, sft, "actor")
-        head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
-                          rm.score if cfg.critic_init == "reward" else None,
-                          getattr(base.config, "initializer_range", 0.02), p.pipeline.seed).to(base.device)
-        sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
-        return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
-                      {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb, homes)
-    # tp > 1: the trained roles are split over the tp group; reference and reward stay whole (replicated)
+        return shared_models(p, inputs, rm, homes, critic)
+    return separate_models(p, inputs, tok, rm, homes, critic)
+
+
+def shared_models(p, inputs: dict[str, Path], rm, homes: dict, critic: bool) -> Models:
+    """engine.share_base: the trained roles as adapters on the SFT model, the reference = that base, adapters off."""
+    base = load_policy(p, inputs["sft"] / "model", "actor")
+    if not critic:
+        a = ActorOnBase(base, lora_spec(p, "actor"))
+        return Models(a.model, a.model, None, rm, a.actor_params, None, {"actor": a.actor_params}, a.peft, "actor", a,
+                      homes)
+    head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
+                      rm.score if p.ppo.critic_init == "reward" else None,
+                      getattr(base.config, "initializer_range", 0.02), p.pipeline.seed).to(base.device)
+    sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)
+    return Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params,
+                  {"actor": sb.actor_params, "critic": sb.critic_params}, sb.peft, "actor", sb, homes)
+
+
+def separate_models(p, inputs: dict[str, Path], tok, rm, homes: dict, critic: bool) -> Models:
+    """Each role its own model. tp > 1: the trained roles are split over the tp group; reference and reward stay
+    whole (replicated)."""
+    sft = inputs["sft"] / "model"
     policy, peft = with_lora(p, tp_split(p, load_policy(p, sft, "actor")), "actor")
     ref = frozen(load_policy(p, sft, "reference"))
     if "reference" in homes:
         ref.to(homes["reference"])
-    critic_from = rm_dir if cfg.critic_init == "reward" else sft
-    critic, critic_peft = with_lora(p, tp_split(p, load_scorer(p, critic_from, "critic", tok.pad_token_id)),
-                                    "critic", keep_trainable=("score",))
-    return Models(policy, ref, critic, rm,
-                  policy if peft is None else TrainableState.of(policy),
-                  critic if critic_peft is None else TrainableState.of(critic),
-                  {"actor": checkpointed(policy, peft), "critic": checkpointed(critic, critic_peft)}, peft,
-                  homes=homes)
+    m = Models(policy, ref, None, rm, policy if peft is None else TrainableState.of(policy), None,
+               {"actor": checkpointed(policy, peft)}, peft, homes=homes)
+    if critic:
+        critic_from = inputs["reward"] / "model" if p.ppo.critic_init == "reward" else sft
+        m.critic, critic_peft = with_lora(p, tp_split(p, load_scorer(p, critic_from, "critic", tok.pad_token_id)),
+                                          "critic", keep_trainable=("score",))
+        m.critic_params = m.critic if critic_peft is None else TrainableState.of(m.critic)
+        m.checkpoint["critic"] = checkpointed(m.critic, critic_peft)
+    return m
 
 
 def offload_homes(p) -> dict:
@@ -118,121 +173,163 @@ def offload_homes(p) -> dict:
     return {role: torch.device("cpu") for role in ("reward", "reference") if getattr(p.engine.roles, role).offload}
 
 
-@torch.no_grad()
-def make_experience(cfg, batch, scored, m: Models, stops: list[int], micro: int) -> dict:
-    """Everything the updates need from one rollout, computed without autograd. `scored` holds what the RM reads
-    (each prompt + response as whole text: stages/examples.py); a response ended if it holds a stop token."""
-    mask = batch.response_mask.float()
-    with m.use("actor"):
-        old_logp = batched(response_logprobs, m.policy, batch, micro)
-    with m.use("reference"), m.resident("reference", m.ref):
-        ref_logp = batched(response_logprobs, m.ref, batch, micro)
-    with m.use("critic"):
-        values = batched(response_values, m.critic, batch, micro)
-    with m.resident("reward", m.rm):
-        scores = batched(sequence_scores, m.rm, scored, micro)
-    ended = (torch.isin(batch.responses, torch.tensor(stops, device=batch.responses.device))
-             & batch.response_mask.bool()).any(1)
-    if cfg.missing_eos_penalty is not None:
-        scores = scores + (~ended).float() * cfg.missing_eos_penalty
-    kl = rl.kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask
-    rewards = -cfg.kl_coef * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)
-    rewards[torch.arange(len(batch), device=rewards.device), last] += scores
-    adv, returns = rl.gae(rewards, values * mask, mask, cfg.gamma, cfg.lam)
-    return {"old_logp": old_logp, "ref_logp": ref_logp, "values": values * mask, "returns": returns,
-            "advantages": rl.masked_whiten(adv, mask, reduce=dp_sum if layout_now().layout.dp > 1 else None),
-            "scores": scores, "kl": kl, "mask": mask, "ended": ended}
-
-
-ACTOR_STATS = ("policy_loss", "clipfrac", "approx_kl", "entropy")
-CRITIC_STATS = ("value_loss", "value_clipfrac")
-
-
 def no_phase(name: str):
-    """The default `phase` of update(): no memory ledger."""
+    """The default `phase` of PpoStep: no memory ledger."""
     return contextlib.nullcontext()
 
 
-def update_backoffs(micro: int) -> tuple[OomBackoff, OomBackoff]:
-    """The actor's and the critic's out-of-memory back-off, kept for the whole stage (a smaller size sticks).
-    `ppo:oom:<step>` injects a fault into the actor pass, `ppo:critic:oom:<step>` into the critic pass."""
-    return OomBackoff("ppo actor", micro, fault="ppo"), OomBackoff("ppo critic", micro, fault="ppo:critic")
+@dataclass
+class Pass:
+    """One trained role's backward pass over a minibatch: its engine, out-of-memory back-off and statistics."""
+    role: str
+    engine: object
+    backoff: OomBackoff
+    stats: tuple[str, ...]  # the first is its loss
+    micro_step: Callable
 
 
-def update(cfg, batch, exp, m: Models, engines, backoffs: tuple[OomBackoff, OomBackoff], seed: int, it: int,
-           phase: Callable[[str], ContextManager] = no_phase) -> dict:
-    """ppo_epochs passes over minibatches; token-mean losses over each whole minibatch.
+class PpoStep:
+    """One PPO iteration's work on a rollout, for run() and bench/: `experience` (log-probs, values, rewards and
+    advantages, without autograd), `update` (ppo_epochs of clipped minibatch updates, each trained role's backward
+    pass under its own out-of-memory back-off) and `metrics` (what the rollout measured).
 
-    Each minibatch runs an actor pass (every micro-batch's policy-loss backward) and then a critic pass, each under
-    its own OomBackoff. The gradients equal those of interleaving the two per micro-batch: actor and critic train
-    disjoint parameters (with share_base, different adapters; the actor's loss runs with the critic adapter off),
-    and each parameter's gradient is still accumulated over the micro-batches in the same order. Statistics are
-    token-weighted over the minibatch, so they do not depend on the micro-batch size either."""
-    g = torch.Generator().manual_seed(seed)
-    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "clipfrac", "value_clipfrac",
-                                                     "approx_kl", "entropy")}
-    n = len(batch)
-    size = cfg.minibatch_size // layout_now().layout.dp  # this rank's part of each global minibatch
-    for _ in range(cfg.ppo_epochs):
-        perm = torch.randperm(n, generator=g)
-        for start in range(0, n, size):
-            sums = minibatch(cfg, batch, exp, m, engines, backoffs, it, perm[start:start + size], phase)
-            for k, v in sums.items():
-                stats[k].append(v)
-            pl_sum, vl_sum = dp_sum([sums["policy_loss"], sums["value_loss"]])  # all ranks skip alike
-            ok = finite("ppo", it, cfg.on_nonfinite, policy_loss=pl_sum, value_loss=vl_sum)
-            for engine in engines:
-                if ok:
-                    engine.step()
-                else:
-                    engine.zero_grad()
-    out = dp_mean({k: sum(v) / len(v) for k, v in stats.items()})
-    out.update(actor_micro_batch=float(backoffs[0].micro_batch), critic_micro_batch=float(backoffs[1].micro_batch))
-    return out
+    engines: the actor's, then the critic's when the estimator learns one. `ppo:oom:<step>` injects an OOM into the
+    actor pass, `ppo:critic:oom:<step>` into the critic pass."""
 
+    def __init__(self, cfg, m: Models, engines: list, rewards: Rewards, micro: int, stops=(),
+                 phase: Callable[[str], ContextManager] = no_phase):
+        self.cfg, self.m, self.engines, self.rewards, self.micro, self.phase = cfg, m, engines, rewards, micro, phase
+        self.stops = torch.tensor(list(stops), dtype=torch.long)
+        self.estimator = estimators.of(cfg)
+        if len(engines) != 1 + self.estimator.critic:
+            raise ValueError(f"ppo.estimator {cfg.estimator} trains {1 + self.estimator.critic} role(s); "
+                             f"got {len(engines)} engines")
+        actor_stats = ("policy_loss", "clipfrac", "approx_kl", "entropy") + (("kl_loss",) if cfg.kl_in_loss else ())
+        self.passes = [Pass("actor", engines[0], OomBackoff("ppo actor", micro, fault="ppo"), actor_stats,
+                            self.actor_step),
+                       Pass("critic", engines[-1], OomBackoff("ppo critic", micro, fault="ppo:critic"),
+                            ("value_loss", "value_clipfrac"), self.critic_step)][:len(engines)]
 
-def minibatch(cfg, batch, exp, m: Models, engines, backoffs, it: int, mb: torch.Tensor, phase) -> dict[str, float]:
-    """The actor's and then the critic's backward passes over one minibatch (row indices `mb`), each under its
-    OomBackoff; the statistics, token-weighted over the global minibatch."""
-    n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
-    sums: dict[str, float] = {}
+    def named_engines(self) -> dict:
+        """Each trained role's engine under its checkpoint and metrics prefix (actor_, critic_)."""
+        return {f"{ps.role}_": ps.engine for ps in self.passes}
 
-    def rows(s: slice, keys: tuple[str, ...]):
-        idx = mb[s]
+    @torch.no_grad()
+    def experience(self, batch, responses: Responses) -> dict:
+        """Everything the updates need from one rollout, computed without autograd: log-probs under the actor and
+        the reference, the critic's values (gae), each response's reward, the estimator's advantages. A response
+        ended if it holds a stop token."""
+        cfg, m, micro = self.cfg, self.m, self.micro
+        mask = batch.response_mask.float()
+        with m.use("actor"):
+            old_logp = batched(response_logprobs, m.policy, batch, micro)
+        with m.use("reference"), m.resident("reference", m.ref):
+            ref_logp = batched(response_logprobs, m.ref, batch, micro)
+        values = self.estimator.values(m, batch, micro)
+        ended = (torch.isin(batch.responses, self.stops.to(batch.responses.device))
+                 & batch.response_mask.bool()).any(1)
+        scores, parts = self.rewards.score(m, responses, ended, micro)
+        kl = rl.kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask
+        return {"old_logp": old_logp, "ref_logp": ref_logp, "scores": scores, "kl": kl, "mask": mask,
+                "ended": ended, **parts, **self.estimator.advantages(scores, kl, mask, values)}
+
+    def update(self, batch, exp: dict, seed: int, it: int) -> dict:
+        """ppo_epochs passes over minibatches (ppo.minibatch_size sequences over all ranks).
+
+        Each minibatch runs the actor pass (every micro-batch's policy-loss backward) and then the critic pass, each
+        under its own OomBackoff. The gradients equal those of interleaving the two per micro-batch: actor and
+        critic train disjoint parameters (with share_base, different adapters; the actor's loss runs with the critic
+        adapter off), and each parameter's gradient is still accumulated over the micro-batches in the same order.
+        Statistics are weighted over the minibatch, so they do not depend on the micro-batch size either."""
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(seed)
+        stats: dict[str, list[float]] = {k: [] for ps in self.passes for k in ps.stats}
+        n, size = len(batch), cfg.minibatch_size // layout_now().layout.dp  # this rank's part of each minibatch
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(n, generator=g)
+            for start in range(0, n, size):
+                sums = self.minibatch(batch, exp, it, perm[start:start + size])
+                for k, v in sums.items():
+                    stats[k].append(v)
+                losses = dp_sum([sums[ps.stats[0]] for ps in self.passes])  # all ranks skip alike
+                ok = finite("ppo", it, cfg.on_nonfinite, **{ps.stats[0]: v for ps, v in zip(self.passes, losses)})
+                for ps in self.passes:
+                    if ok:
+                        ps.engine.step()
+                    else:
+                        ps.engine.zero_grad()
+        out = dp_mean({k: sum(v) / len(v) for k, v in stats.items()})
+        out.update({f"{ps.role}_micro_batch": float(ps.backoff.micro_batch) for ps in self.passes})
+        return out
+
+    def minibatch(self, batch, exp: dict, it: int, mb: torch.Tensor) -> dict[str, float]:
+        """Each trained role's backward pass over one minibatch (row indices `mb`), the actor's first."""
+        n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
+        sums: dict[str, float] = {}
+        for ps in self.passes:
+            def micro_step(s: slice, ps=ps) -> float:
+                if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
+                    sums.update({k: 0.0 for k in ps.stats})
+                idx = mb[s]
+                return ps.micro_step(batch.select(idx), exp, idx, n_tok, sums)
+            with self.phase(f"{ps.role}_update"):
+                ps.backoff.run(it, len(mb), micro_step, ps.engine.zero_grad)
+        return sums
+
+    def actor_step(self, sub, exp: dict, idx, n_tok, sums: dict) -> float:
+        """The policy objective's backward on one micro-batch: the clipped surrogate, the entropy bonus and (with
+        ppo.kl_in_loss) kl_coef x the k3 KL to the reference, each reduced as ppo.loss_agg says and weighted by the
+        micro-batch's part of the minibatch. Statistics other than the losses: token-weighted."""
+        cfg, m, engine, agg = self.cfg, self.m, self.passes[0].engine, self.cfg.loss_agg
         mask = exp["mask"][idx]
-        if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
-            sums.update({k: 0.0 for k in keys})
-        return idx, batch.select(idx), mask, mask.sum() / n_tok  # share of the minibatch's tokens
-
-    def actor_step(s: slice) -> float:
-        idx, sub, mask, share = rows(s, ACTOR_STATS)
+        share = mask.sum() / n_tok  # of the minibatch's tokens
+        weight = LOSS_WEIGHT[agg](mask, n_tok, cfg.minibatch_size)
         with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
-            logp, ent = engines[0].forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
+            logp, ent = engine.forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
             pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx], mask,
-                                                     cfg.clip_range)
+                                                     cfg.clip_range, agg)
             entropy = rl.masked_mean(ent, mask)
-            engines[0].backward((pl - cfg.entropy_coef * entropy) * share)
-        for k, v in zip(ACTOR_STATS, (pl, clipfrac, approx_kl, entropy)):
-            sums[k] += float(v.detach() * share)
-        return float(pl.detach() * share)
+            objective = pl - cfg.entropy_coef * rl.aggregate(ent, mask, agg)
+            parts = [("policy_loss", pl, weight), ("clipfrac", clipfrac, share), ("approx_kl", approx_kl, share),
+                     ("entropy", entropy, share)]
+            if cfg.kl_in_loss:
+                kl = rl.aggregate(rl.kl_penalty(logp, exp["ref_logp"][idx], "k3"), mask, agg)
+                objective = objective + cfg.kl_coef * kl
+                parts.append(("kl_loss", kl, weight))
+            engine.backward(objective * weight)
+        for k, v, w in parts:
+            sums[k] += float(v.detach() * w)
+        return float(pl.detach() * weight)
 
-    def critic_step(s: slice) -> float:
-        idx, sub, mask, share = rows(s, CRITIC_STATS)
+    def critic_step(self, sub, exp: dict, idx, n_tok, sums: dict) -> float:
+        """The clipped value loss's backward on one micro-batch, weighted by its share of the minibatch's tokens."""
+        m, engine = self.m, self.passes[1].engine
+        mask = exp["mask"][idx]
+        share = mask.sum() / n_tok
         with m.use("critic"):
-            values = engines[1].forward(response_values, m.critic, sub)
-            vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, cfg.value_clip)
-            engines[1].backward(vl * share)
-        for k, v in zip(CRITIC_STATS, (vl, vclip)):
+            values = engine.forward(response_values, m.critic, sub)
+            vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, self.cfg.value_clip)
+            engine.backward(vl * share)
+        for k, v in zip(("value_loss", "value_clipfrac"), (vl, vclip)):
             sums[k] += float(v.detach() * share)
         return float(vl.detach() * share)
 
-    for name, r, step_fn in (("actor_update", 0, actor_step), ("critic_update", 1, critic_step)):
-        with phase(name):
-            backoffs[r].run(it, len(mb), step_fn, engines[r].zero_grad)
-    return sums
+    def metrics(self, exp: dict, n_new: int) -> dict[str, float]:
+        """Reward (and each source's part when two are mixed), KL, lengths and gae's value fit of one rollout. Equal
+        shares per rank: the mean of the ranks' means is the batch's (explained variance: approximately)."""
+        mask = exp["mask"]
+        return dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
+                        "response_length": float(mask.sum(1).mean()),
+                        "ended_fraction": float(exp["ended"].float().mean()),
+                        "truncated_fraction": truncated_fraction(exp, n_new),
+                        **self.estimator.metrics(exp),
+                        **{k: float(exp[k].mean()) for k in ("rm_score", "function_reward") if k in exp}})
 
 
+LOSS_WEIGHT = {  # a micro-batch's part of the minibatch's policy loss, as ppo.loss_agg counts it
+    "token_mean": lambda mask, n_tok, rows: mask.sum() / n_tok,  # its tokens
+    "seq_mean": lambda mask, n_tok, rows: mask.shape[0] / rows,  # its sequences (rows: the global minibatch's)
+}
 TRUNCATED_WARN = 0.1  # more responses than this cut at max_new_tokens: the RM scored unfinished text; say so
 
 
@@ -253,8 +350,8 @@ def warn_truncated(fraction: float, it: int, n_new: int, history: list[dict]) ->
 
 
 def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
-    """The memory planner's probe: one actor and one critic micro-step on `rows` copies of the longest prompt with a
-    full-length response (the peak of the two is what the update needs)."""
+    """The memory planner's probe: one micro-step of each trained role on `rows` copies of the longest prompt with a
+    full-length response (the peak of the passes is what the update needs)."""
     j = max(range(len(prompts)), key=lambda j: len(prompts[j]))
     response = [prompts[j][-1]] * max_new_tokens
 
@@ -264,11 +361,13 @@ def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
             with m.use("actor"):
                 logp, ent = response_logprobs_entropy(m.policy, sub)
                 (logp.mean() + ent.mean()).backward()
-            with m.use("critic"):
-                response_values(m.critic, sub).mean().backward()
+            if m.critic is not None:
+                with m.use("critic"):
+                    response_values(m.critic, sub).mean().backward()
         finally:  # also after an out-of-memory error: no gradient may reach the first real update
-            for q in (*m.actor_params.parameters(), *m.critic_params.parameters()):
-                q.grad = None
+            for params in m.trained().values():
+                for q in params.parameters():
+                    q.grad = None
     return micro_step
 
 
@@ -278,12 +377,12 @@ def rollout_offload(p, m: Models, layout, prompts: list[list[int]], n_new: int, 
     if p.engine.rollout.offload_optimizer or p.engine.memory_budget_gib is None or layout.zero_stage > 0:
         return p.engine.rollout.offload_optimizer
     from hybridcore import planner
-    actor, critic = list(m.actor_params.parameters()), list(m.critic_params.parameters())
-    actor_states = planner.optimizer_state_bytes(actor, 0, False)
-    held = planner.held_bytes((m.policy, m.ref, m.critic, m.rm)) + planner.optimizer_state_bytes(critic, 0, False)
-    kv = planner.kv_cache_bytes(m.policy.config, p.ppo.rollout_batch_size // p.engine.layout.dp,
-                                max(map(len, prompts)) + n_new, DTYPES[role_precision(p, "actor")])
-    on = planner.choose_rollout_offload(p.engine.memory_budget_gib, held + actor_states, actor_states, kv)
+    states = {role: planner.optimizer_state_bytes(list(t.parameters()), 0, False) for role, t in m.trained().items()}
+    held = planner.held_bytes(m.roles().values()) + sum(v for role, v in states.items() if role != "actor")
+    rows = p.ppo.rollout_batch_size * p.ppo.samples_per_prompt // p.engine.layout.dp
+    kv = planner.kv_cache_bytes(m.policy.config, rows, max(map(len, prompts)) + n_new,
+                                DTYPES[role_precision(p, "actor")])
+    on = planner.choose_rollout_offload(p.engine.memory_budget_gib, held + states["actor"], states["actor"], kv)
     plan_metrics["planned_rollout_offload"] = float(on)
     if on:
         say(f"ppo: memory planner moves the actor's optimizer states to the CPU while it rolls out (a "
@@ -307,13 +406,11 @@ class Loop:
     p: object
     m: Models
     tok: object
-    ps: object  # stages.examples.PromptSet: token ids, texts, what the RM reads
+    ps: object  # stages.examples.PromptSet: token ids, texts, rows, what the RM reads
     n_new: int
-    micro: int
-    engines: list
+    step: PpoStep
     actor: HybridActor
     ledger: MemoryLedger
-    backoffs: tuple[OomBackoff, OomBackoff]
     plan_metrics: dict
     history: list = field(default_factory=list)
 
@@ -322,13 +419,13 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg = p.ppo
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(inputs["sft"] / "model"))
+    rewards = Rewards.of(p, inputs)  # the user's function is imported before any model loads
     m = load_models(p, inputs, tok)
     ps, n_new = prompts_of(p, inputs, tok, m)
-    r = build(p, m, tok, ps, n_new, sink)
+    r = build(p, m, tok, ps, n_new, rewards, sink)
     stream = prompt_stream(len(ps.ids), cfg.rollout_batch_size, p.pipeline.seed)
     log = StepLog("ppo", cfg.iterations, sink)
-    loop = Resumable("ppo", out, cfg, *checkpoint_parts({"actor_": r.engines[0], "critic_": r.engines[1]},
-                                                        m.checkpoint), log)
+    loop = Resumable("ppo", out, cfg, *checkpoint_parts(r.step.named_engines(), m.checkpoint), log)
     start, state = loop.resume()
     r.history = state.get("history", [])
     try:
@@ -345,8 +442,8 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
         r.ledger.close()
     summary = summarise(r, log.close())
     with m.use("actor"):  # every rank: tp shards are gathered, rank 0 writes
-        export(p, "actor", r.engines[0], m.policy, m.peft, tok, out, m.adapter,
-               {"value_head": m.shared.head} if m.shared is not None else None)
+        export(p, "actor", r.step.engines[0], m.policy, m.peft, tok, out, m.adapter,
+               {"value_head": m.shared.head} if getattr(m.shared, "head", None) is not None else None)
     return summary
 
 
@@ -364,21 +461,22 @@ def prompts_of(p, inputs: dict[str, Path], tok, m: Models):
     return ps, n_new
 
 
-def build(p, m: Models, tok, ps, n_new: int, sink) -> Loop:
-    """The planner's micro-batch and layout, the actor's and the critic's engines, the hybrid actor."""
-    cfg, prompts = p.ppo, ps.ids
-    updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-    m.policy.train()
-    m.critic.train()
+def build(p, m: Models, tok, ps, n_new: int, rewards: Rewards, sink) -> Loop:
+    """The planner's micro-batch and layout, one engine per trained role, the hybrid actor, the step."""
+    cfg, prompts, trained = p.ppo, ps.ids, m.trained()
+    updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size * cfg.samples_per_prompt
+                                                 // cfg.minibatch_size)
+    m.train()
     set_activation_checkpointing(m.policy, checkpointing(p, "actor"))  # before the planner's probe measures
-    if m.shared is None:  # a shared critic runs on the actor's layers
+    if m.critic is not None and m.shared is None:  # a shared critic runs on the actor's layers
         set_activation_checkpointing(m.critic, checkpointing(p, "critic"))
     micro, layout, plan_metrics = planned(
-        p, "ppo", cfg.minibatch_size // p.engine.layout.dp, cfg.micro_batch_size, (m.policy, m.ref, m.critic, m.rm),
-        [*m.actor_params.parameters(), *m.critic_params.parameters()], probe(m, prompts, n_new), sink)
-    engines = [trainer(p, params, lr=lr, steps=updates, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=1.0,
+        p, "ppo", cfg.minibatch_size // p.engine.layout.dp, cfg.micro_batch_size, list(m.roles().values()),
+        [q for params in trained.values() for q in params.parameters()], probe(m, prompts, n_new), sink)
+    lrs = {"actor": cfg.actor_lr, "critic": cfg.critic_lr}
+    engines = [trainer(p, params, lr=lrs[role], steps=updates, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=1.0,
                        max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
-               for params, lr in ((m.actor_params, cfg.actor_lr), (m.critic_params, cfg.critic_lr))]
+               for role, params in trained.items()]
     m.frozen_check([e.trained for e in engines])
     offload = rollout_offload(p, m, layout, prompts, n_new, plan_metrics)
     actor = HybridActor(m.policy, tok, checkpointing(p, "actor"),
@@ -387,41 +485,40 @@ def build(p, m: Models, tok, ps, n_new: int, sink) -> Loop:
                         backend_options=backend_options(p, prompts, n_new),
                         rollout_tp=p.engine.rollout.tp,  # tp peers: same prompts, all responses
                         train_engine=engines[0])  # its rollout weights: the ZeRO-3 gather, the tp regrouping
-    m.policy.train()
-    m.critic.train()
-    ledger = MemoryLedger(m.policy.device, models=(m.policy, m.ref, m.critic, m.rm), engines=engines)
-    return Loop(p, m, tok, ps, n_new, micro, engines, actor, ledger, update_backoffs(micro), plan_metrics)
+    m.train()
+    ledger = MemoryLedger(m.policy.device, models=list(m.roles().values()), engines=engines)
+    step = PpoStep(cfg, m, engines, rewards, micro, actor.stop_ids, ledger.phase)
+    return Loop(p, m, tok, ps, n_new, step, actor, ledger, plan_metrics)
 
 
 def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
-    """One rollout, scoring and update over this rank's share `picked` of the prompts; its metrics (None when the
-    batch was skipped as non-finite)."""
-    p, cfg, m, tok, actor, ledger = r.p, r.p.ppo, r.m, r.tok, r.actor, r.ledger
-    batch_prompts = [r.ps.ids[i] for i in picked]
+    """One rollout, scoring and update over this rank's share `picked` of the prompts, each answered
+    samples_per_prompt times in contiguous rows (a group stays on one rank); its metrics (None when the batch was
+    skipped as non-finite)."""
+    p, cfg, m, actor, ledger = r.p, r.p.ppo, r.m, r.actor, r.ledger
+    rows = [i for i in picked for _ in range(cfg.samples_per_prompt)]
+    prompts = [r.ps.ids[i] for i in rows]
     fault_point("ppo", it)
     # each dp rank samples its share with its own stream (rank 0's is the one-process stream)
     torch.manual_seed(p.pipeline.seed * 100_003 + it + 1_000_003 * layout_now().dp_rank)
     t0 = time.perf_counter()
     with ledger.phase("rollout") as mem, m.use("actor"), actor.rollout():
-        responses = actor.generate(batch_prompts, r.n_new, temperature=cfg.temperature, top_k=cfg.top_k,
-                                   top_p=cfg.top_p)
+        responses = actor.generate(prompts, r.n_new, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         mem.hold("kv_cache", actor.backend.kv_cache_bytes)  # freed when the rollout ends
     t1 = time.perf_counter()
     with ledger.phase("scoring") as mem:
         m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
-        batch = pack(batch_prompts, responses, tok.pad_token_id, m.policy.device)
-        texts = tok.batch_decode(responses, skip_special_tokens=True)
-        scored = sequences([r.ps.scored(i, t) for i, t in zip(picked, texts)], tok.pad_token_id, m.policy.device)
-        exp = make_experience(cfg, batch, scored, m, actor.stop_ids, r.micro)
+        batch = pack(prompts, responses, r.tok.pad_token_id, m.policy.device)
+        exp = r.step.experience(batch, r.step.rewards.read(r.ps, r.tok, it, rows, responses, m.policy.device))
     if fault_active("ppo", "nan", it):
         exp["scores"][0] = float("nan")
     t2 = time.perf_counter()
     reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item()])
     if not finite("ppo", it, cfg.on_nonfinite, reward=reward_sum, advantages=adv_sum):
         return None
-    stats = update(cfg, batch, exp, m, r.engines, r.backoffs, p.pipeline.seed + it, it, phase=ledger.phase)
+    stats = r.step.update(batch, exp, p.pipeline.seed + it, it)
     actor.reserve_host_states()  # the offload buffers are pinned here, never inside a transition
-    metrics = {**rollout_metrics(exp, r.n_new), "rollout_s": t1 - t0, "scoring_s": t2 - t1,
+    metrics = {**r.step.metrics(exp, r.n_new), "rollout_s": t1 - t0, "scoring_s": t2 - t1,
                "update_s": time.perf_counter() - t2, "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
                "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
                **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
@@ -431,22 +528,14 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
     return {**metrics, "tokens": int(dp_sum(int(batch.attention_mask.sum())))}
 
 
-def rollout_metrics(exp: dict, n_new: int) -> dict[str, float]:
-    """Reward, KL, lengths and value fit of one rollout batch. Equal shares per rank: the mean of the ranks' means
-    is the batch's (explained variance: approximately)."""
-    mask = exp["mask"]
-    return dp_mean({"reward": float(exp["scores"].mean()), "kl": float(exp["kl"].sum(1).mean()),
-                    "response_length": float(mask.sum(1).mean()),
-                    "ended_fraction": float(exp["ended"].float().mean()),
-                    "truncated_fraction": truncated_fraction(exp, n_new),
-                    "explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], mask))})
+SUMMARISED = ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance", "entropy",
+              "truncated_fraction", "rm_score", "function_reward", "kl_loss")  # those a run logs: first/last tenth
 
 
 def summarise(r: Loop, logged: dict) -> dict:
     """The stage's summary: the log's, optimizer and memory figures, and first-tenth vs last-tenth means."""
     history, ledger = r.history, r.ledger
-    summary = {**logged, **optimizer_metrics({"actor_": r.engines[0], "critic_": r.engines[1]}), **ledger.summary(),
-               **r.plan_metrics}
+    summary = {**logged, **optimizer_metrics(r.step.named_engines()), **ledger.summary(), **r.plan_metrics}
     for line in ledger.table().splitlines() if ledger.last else ():
         say(line)
     if not history:
@@ -454,8 +543,7 @@ def summarise(r: Loop, logged: dict) -> dict:
     k = max(1, len(history) // 10)
     first, last = history[:k], history[-k:]
     summary.update({f"{name}_{tag}": sum(h[name] for h in part) / len(part)
-                    for name in ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance",
-                                 "entropy", "truncated_fraction")
+                    for name in SUMMARISED if all(name in h for h in history)
                     for tag, part in (("first", first), ("last", last))})
     summary.update(max_new_tokens=r.n_new,
                    truncated_iterations=sum(h["truncated_fraction"] > TRUNCATED_WARN for h in history))
