@@ -6,6 +6,8 @@
   token that is not padding): `tok(prompt + response)` for text, `apply_chat_template(conversation)` for turns. So
   the exported RM scores a text under plain transformers exactly as the pipeline scored it; PPO and evaluation
   score their samples through the same text.
+- DPO reads each side of a preference pair as SFT reads a row, split at the response (`policy_pairs`): the prompt's
+  ids, then the response + EOS (text) or the final assistant turn(s) (turns); only the response's log-probs count.
 - Rollout prompts: `tok(prompt)`, or `apply_chat_template(turns, add_generation_prompt=True)`.
 
 Lengths follow the data: a null `max_seq_len` is the longest row; a null `max_new_tokens` is the longest
@@ -144,6 +146,73 @@ def pair_examples(tok, ds, conversational: bool, limit: Optional[int], what: str
 
 
 @dataclass
+class PolicyPairs:
+    """Preference pairs as a policy reads them (DPO): each side's prompt ids, response ids and the response tokens
+    whose log-probs are summed (as SFT tokenises a row: a text response + EOS, or the final assistant turn(s) with
+    the template's end of turn; the prompt is what comes before, so it is never scored)."""
+    chosen: SftExamples
+    rejected: SftExamples
+    longest_reply: int
+
+    def __len__(self) -> int:
+        return len(self.chosen.prompts)
+
+
+def _policy_side(tok, prompt, response, conversational: bool, where: str):
+    """(prompt ids, response ids, response mask, longest assistant reply) of one side of a preference pair."""
+    if conversational:
+        ids, mask, split = _cut_conversation(tok, list(prompt), list(response), where)
+        longest = _longest_run(mask)
+    else:  # as sft_examples: tok(prompt), then the response + EOS
+        head = prompt_ids(tok, prompt)
+        reply = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids, mask, split, longest = head + reply, [0] * len(head) + [1] * len(reply), len(head), len(reply)
+    split = max(split, 1)  # the first token has nothing before it to be predicted from
+    return ids[:split], ids[split:], mask[split:], longest
+
+
+def _cut_conversation(tok, prompt: list, response: list, where: str) -> tuple[list[int], list[int], int]:
+    """(ids, assistant mask, where the response starts) of prompt + response turns, encoded segment by segment as
+    SFT encodes a conversation (chat.encode), the cut where the response's first assistant turn starts (after the
+    generation prompt: the ids before it are what a rollout would feed)."""
+    turns = prompt + response
+    first = len(prompt) + next(i for i, t in enumerate(response) if t["role"] == "assistant")
+    cut = len(chat.render(tok, turns[:first], generation_prompt=True, where=where)) if first else 0
+    ids, mask, at, split = [], [], 0, None
+    for text, trained in chat.segments(tok, turns, where):
+        if at == cut:
+            split = len(ids)
+        piece = chat.ids(tok, text)
+        ids, mask, at = ids + piece, mask + [int(trained)] * len(piece), at + len(text)
+    if split is None:  # chat.segments cuts at every assistant turn, so only a safeguard
+        raise InputError(f"{where}: the chat template's rendering of the prompt is not where the response starts; "
+                         f"expected a template that only appends as turns are added")
+    return ids, mask, split
+
+
+def policy_pairs(tok, ds, conversational: bool, limit: Optional[int], what: str, positions: Optional[int],
+                 field: str = "dpo.max_seq_len", report: bool = True) -> PolicyPairs:
+    """Every preference row split into prompt and response for each side; a longer side than `limit` (null: the
+    longest row) is an InputError naming the row."""
+    sides = {"chosen": SftExamples([], [], [], 0), "rejected": SftExamples([], [], [], 0)}
+    for i, row in enumerate(ds):
+        where = f"{what} {data.where(ds, i)}"
+        got = {k: _policy_side(tok, row["prompt"], row[k], conversational, where) for k in sides}
+        if got["chosen"][:3] == got["rejected"][:3]:
+            raise InputError(f"{where}: chosen and rejected are the same tokens once rendered (a pair must differ)")
+        for k, ex in sides.items():
+            a, b, m, longest = got[k]
+            ex.prompts.append(a)
+            ex.responses.append(b)
+            ex.masks.append(m)
+            ex.longest_reply = max(ex.longest_reply, longest)
+    c, r = sides["chosen"], sides["rejected"]
+    _fit(ds, [max(len(c.prompts[j]) + len(c.responses[j]), len(r.prompts[j]) + len(r.responses[j]))
+              for j in range(len(c.prompts))], limit, field, what, positions, report)
+    return PolicyPairs(c, r, max(c.longest_reply, r.longest_reply))
+
+
+@dataclass
 class PromptSet:
     """Rollout prompts: the ids the policy continues, the text a checker sees, the file's rows."""
     tok: object
@@ -183,7 +252,7 @@ def prompt_set(tok, ds, what: str) -> PromptSet:
 def longest_reply(inputs: dict[str, Path]) -> int:
     """The longest response of the SFT and preference data, as those stages recorded it in their manifests."""
     n = 0
-    for stage in ("sft", "reward"):
+    for stage in ("sft", "reward", "dpo"):
         if stage in inputs:
             metrics = json.loads((inputs[stage] / "manifest.json").read_text()).get("metrics", {})
             n = max(n, int(metrics.get("longest_response_tokens", 0)))
