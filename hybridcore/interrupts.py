@@ -5,7 +5,8 @@ raise `Interrupted`, so a stopped run resumes exactly. `HYBRID_RLHF_FAULT="<stag
 process SIGKILL itself just before that step (`<stage>:checkpoint:<step>` halfway through writing that
 step's checkpoint, `<stage>:term:<step>` sends SIGTERM instead): the kill tests use it to stop at chosen points without timing races.
 `<stage>:oom:<step>` raises torch.OutOfMemoryError once inside that step (hybridcore/oom.py backs off from it;
-in PPO `ppo:oom:<step>` hits the actor's update, `ppo:critic:oom:<step>` the critic's).
+in PPO `ppo:oom:<step>` hits the actor's update, `ppo:critic:oom:<step>` the critic's; in DPO `dpo:oom:<step>` a
+training step, `dpo:reference:oom:<chunk>` the reference log-probs' pass over a chunk of 256 pairs).
 `<stage>:raise:<step>` raises InjectedFault there; `<stage>:nan:<step>` makes that step's loss (PPO: a reward)
 non-finite; `<stage>:enospc:<step>` fails that checkpoint's write halfway, as a full disk would. Every hook is
 one of fault_point / fault_active / oom_point below; no other code reads the variable. `HYBRID_RLHF_FAULT_RANK=R` restricts every fault to the process
