@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -77,8 +79,10 @@ class Rewards:
         """The user's function on one rollout, its answer checked: one finite number per response."""
         try:
             out = self.fn(list(r.prompts), list(r.texts), list(r.rows))
-        except Exception as e:  # the user's code: any error is theirs to see, in one line
-            raise RewardFunctionFault(f"{self.name} raised {type(e).__name__} at ppo iteration {r.it}: "
+        except Exception as e:  # the user's code: any error is theirs to see, in one line, with where it came from
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            raise RewardFunctionFault(f"{self.name} raised {type(e).__name__} at ppo iteration {r.it} "
+                                      f"({Path(where.filename).name} line {where.lineno}): "
                                       f"{(str(e).splitlines() or [''])[0][:200]}") from None
         try:
             values = list(out)
