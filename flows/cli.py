@@ -57,7 +57,7 @@ def warnings(summary: dict) -> list[str]:
     if ppo.get("truncated_iterations", 0) > 0:
         out.append(f"warning: ppo: {int(ppo['truncated_iterations'])} of {int(ppo['steps'])} iterations cut more "
                    f"than 10% of their responses at max_new_tokens={int(ppo['max_new_tokens'])} (last tenth: "
-                   f"{ppo['truncated_fraction_last']:.0%}); the reward model scored unfinished text: raise "
+                   f"{ppo['truncated_fraction_last']:.0%}); the reward scored unfinished text: raise "
                    f"ppo.max_new_tokens")
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
     for name in ("sft", "ppo", "dpo"):

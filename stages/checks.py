@@ -146,10 +146,11 @@ def holds(p: Params, stage: str) -> tuple[tuple[str, bool], ...]:
     a critic-free PPO builds no critic, a run without the reward stage has no RM, a LoRA actor's DPO reference is
     its own base with the adapters off."""
     rm = (("reward", False),) if "reward" in p.pipeline.stages else ()
+    ppo_rm = rm if p.ppo.reward_model_weight > 0 or (p.engine.share_base and p.ppo.estimator == "gae") else ()
     critic = (("critic", True),) if p.ppo.estimator == "gae" else ()
     ref = () if p.engine.roles.actor.lora is not None else (("reference", False),)
     return {"sft": (("actor", True),), "reward": (("reward", True),),
-            "ppo": (("actor", True), *critic, ("reference", False), *rm), "dpo": (("actor", True), *ref),
+            "ppo": (("actor", True), *critic, ("reference", False), *ppo_rm), "dpo": (("actor", True), *ref),
             "evaluate": (("actor", False), ("actor", False), *rm)}[stage]
 
 

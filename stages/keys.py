@@ -23,9 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ("data.py", "formats.py", "examples.py", "common.py")
 
 
+# the modules a stage runs besides its own and SHARED
+OWN = {"ppo": ("estimators.py", "rewards.py", "user_code.py"), "evaluate": ("user_code.py",)}
+
+
 @lru_cache(maxsize=None)
 def code_version(stage: str) -> str:
-    files = [ROOT / "stages" / f"{stage}.py", *(ROOT / "stages" / f for f in SHARED),
+    files = [ROOT / "stages" / f"{stage}.py", *(ROOT / "stages" / f for f in (*SHARED, *OWN.get(stage, ()))),
              *sorted((ROOT / "hybridcore").rglob("*.py"))]
     h = hashlib.sha256()
     for f in files:

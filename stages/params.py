@@ -478,9 +478,9 @@ def check_roles(p: Params) -> None:
                          "actor's own base; expected false")
     if not e.share_base:
         return
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if p.ppo.estimator == "gae" else ("actor",):  # critic-free: no critic adapter
         if getattr(e.roles, role).lora is None:
-            raise InputError(f"engine.share_base=true: actor and critic are adapters on one base; expected "
+            raise InputError(f"engine.share_base=true: the trained roles are adapters on one base; expected "
                              f"engine.roles.{role}.lora to be set")
     actor = e.roles.actor
     for role in ("critic", "reference"):

@@ -345,8 +345,8 @@ def warn_truncated(fraction: float, it: int, n_new: int, history: list[dict]) ->
         from hybridcore.parallel import is_main
         if is_main():
             say(f"warning: ppo iteration {it}: {fraction:.0%} of responses hit ppo.max_new_tokens={n_new} without "
-                f"ending, so the reward model scored cut-off text (raise ppo.max_new_tokens; the summary counts "
-                f"such iterations)")
+                f"ending, so the reward scored cut-off text (raise ppo.max_new_tokens; the summary counts such "
+                f"iterations)")
 
 
 def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):

@@ -20,7 +20,7 @@ def test_one_warning_line_the_first_time(capsys):
         ppo.warn_truncated(fraction, it, 8, history)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: ppo iteration 1: 50% of responses hit ppo.max_new_tokens=8 without ending, so the "
-                   "reward model scored cut-off text (raise ppo.max_new_tokens; the summary counts such iterations)"]
+                   "reward scored cut-off text (raise ppo.max_new_tokens; the summary counts such iterations)"]
 
 
 def test_the_summary_says_so():
