@@ -338,30 +338,23 @@ def ours(a) -> None:
     rec.save()
 
 
+def our_rewards(cfg):
+    """The python reward through stages/rewards.py, no reward model (also bench/memory.py --estimator grpo's)."""
+    from stages.rewards import Rewards
+    return Rewards(cfg, False, lambda ps, rs, rows_: [reward(t) for t in rs], "bench/grpo_peer.py reward")
+
+
 def our_step(a, base):
     """(the roles, the PpoStep, a maker of the hybrid actor) for GRPO on `base`, as stages/ppo.py builds them for
     engine.share_base with a critic-free estimator: one plain torch AdamW engine for the actor's adapter."""
     import stages.ppo as ppo
+    from bench.memory import grpo_config, grpo_roles
     from hybridcore.actor import HybridActor
     from hybridcore.adapters import LoraSpec
-    from hybridcore.engine import make_engine
-    from hybridcore.models import set_activation_checkpointing
-    from stages.params import PPO
-    from stages.rewards import Rewards
 
-    rows = a.prompts_per_step * a.group
-    roles = ppo.ActorOnBase(base, LoraSpec(16, 32.0, TARGETS))
-    m = ppo.Models(roles.model, roles.model, None, None, roles.actor_params, None, {"actor": roles.actor_params},
-                   roles.peft, "actor", roles)
-    cfg = PPO(rollout_batch_size=a.prompts_per_step, samples_per_prompt=a.group, minibatch_size=rows,
-              micro_batch_size=a.micro, ppo_epochs=1, iterations=a.steps, max_new_tokens=a.response_len,
-              estimator="grpo", scale_rewards=True, kl_in_loss=a.beta > 0, kl_coef=a.beta, loss_agg="token_mean",
-              clip_range=0.2, entropy_coef=0.0, temperature=1.0, top_k=0, top_p=1.0, actor_lr=a.lr, max_grad_norm=1.0)
-    engine = make_engine(roles.actor_params, lr=a.lr, total_steps=a.steps, warmup_ratio=0.0, min_lr_ratio=1.0,
-                         max_grad_norm=1.0, micro_batch=a.micro)
-    m.frozen_check([engine.trained])
-    m.train()
-    set_activation_checkpointing(m.policy, True)
+    m, engine = grpo_roles(base, LoraSpec(16, 32.0, TARGETS), a.lr, a.steps, a.micro)
+    cfg = grpo_config(a.group, a.micro, a.response_len, prompts=a.prompts_per_step, iterations=a.steps, lr=a.lr,
+                      beta=a.beta)
     no_eos = SimpleNamespace(pad_token_id=0, eos_token_id=None)  # no stop token: every response runs to full length
 
     def hybrid_actor(opts: dict) -> HybridActor:
@@ -370,8 +363,7 @@ def our_step(a, base):
         m.train()
         return actor
 
-    rewards = Rewards(cfg, False, lambda ps, rs, rows_: [reward(t) for t in rs], "bench/grpo_peer.py reward")
-    return m, ppo.PpoStep(cfg, m, [engine], rewards, a.micro), hybrid_actor  # no stop tokens, as the actor's
+    return m, ppo.PpoStep(cfg, m, [engine], our_rewards(cfg), a.micro), hybrid_actor  # no stop tokens, as the actor's
 
 
 def rollout(rec: Recorder, m, actor, group: list[list[int]], n_new: int):

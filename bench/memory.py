@@ -3,6 +3,7 @@
     python bench/memory.py --shape tiny --out DIR          # CPU, seconds: the same code path on a tiny shape
     python bench/memory.py --shape llama3-8b --out DIR     # CUDA: the write-up's recipe, plus the ablation table
     python bench/memory.py --shape qwen2.5-14b --out DIR   # CUDA: the same recipe on a 14B shape
+    python bench/memory.py --shape llama3-8b --estimator grpo --out DIR  # CUDA: critic-free GRPO, no RM
 
 The models are random weights built straight into the quantised layout (never a bf16 copy of the whole model:
 the process is capped at 22 GiB, what a 24 GB card leaves): decoder Linears become bitsandbytes NF4 (double
@@ -12,6 +13,12 @@ frozen 4-bit base, reference = adapters off), a separate 4-bit reward model, act
 chunked LM head, the native rollout through HybridActor, and stages/ppo.py's PpoStep (experience, update) with
 the memory ledger's phases. Workload: 1024 prompt + 1024 response tokens, rollout batch 8, micro-batch 2,
 gradient accumulation 4 (minibatch 8), one PPO epoch, sdpa. JSON and markdown go to --out after every row.
+
+--estimator grpo: the same workload as 1 prompt x 8 samples (ppo.samples_per_prompt 8, rollout_batch_size 1) with
+no critic and no reward model built: the actor is the LoRA adapter on the frozen 4-bit base (stages/ppo.py's
+ActorOnBase, what share_base builds for a critic-free estimator), the reference that base with the adapter off,
+the KL (k3) in the loss, the reward bench/grpo_peer.py's Python function; phases rollout, scoring, actor_update.
+Its files are memory-<shape>-grpo.json / .md.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ from hybridcore.ledger import MemoryLedger, quant_state_tensors, storage_bytes  
 from hybridcore.quant import keep_one_4bit_layout  # noqa: E402
 from hybridcore.shared_base import SharedBase, value_head  # noqa: E402
 from hybridcore.engine import make_engine  # noqa: E402
+from hybridcore.models import set_activation_checkpointing  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20
 CAP_GIB = 22.0
@@ -127,6 +135,37 @@ def _materialize(module, device, std: float) -> None:
             m._parameters[k] = torch.nn.Parameter(t, requires_grad=False)
 
 
+def adamw(params, lr: float, steps: int, micro: int):
+    """One plain torch AdamW engine (constant lr, gradients clipped at 1.0)."""
+    return make_engine(params, lr=lr, total_steps=steps, warmup_ratio=0.0, min_lr_ratio=1.0, max_grad_norm=1.0,
+                       micro_batch=micro)
+
+
+def grpo_roles(base, lora: LoraSpec, lr: float, steps: int, micro: int):
+    """(Models, the actor's engine) for a critic-free estimator on `base`, as stages/ppo.py shared_models builds them
+    under engine.share_base: the actor's LoRA adapter on the frozen base (ActorOnBase), the reference = the adapter
+    off, no critic, no reward model; activation checkpointing on, training mode."""
+    roles = ppo.ActorOnBase(base, lora)
+    m = ppo.Models(roles.model, roles.model, None, None, roles.actor_params, None, {"actor": roles.actor_params},
+                   roles.peft, "actor", roles)
+    engine = adamw(roles.actor_params, lr, steps, micro)
+    m.frozen_check([engine.trained])
+    m.train()
+    set_activation_checkpointing(m.policy, True)
+    return m, engine
+
+
+def grpo_config(group: int, micro: int, new: int, prompts: int = 1, iterations: int = 1, lr: float = 1e-6,
+                beta: float = 0.04):
+    """ppo.estimator grpo: `prompts` x `group` responses per rollout, one optimizer step over them (micro-batch
+    `micro`), one pass, KL (k3) to the reference in the loss at `beta`, token-mean loss, std-scaled rewards."""
+    from stages.params import PPO
+    return PPO(rollout_batch_size=prompts, samples_per_prompt=group, minibatch_size=prompts * group,
+               micro_batch_size=micro, ppo_epochs=1, iterations=iterations, max_new_tokens=new, estimator="grpo",
+               scale_rewards=True, kl_in_loss=beta > 0, kl_coef=beta, loss_agg="token_mean", clip_range=0.2,
+               entropy_coef=0.0, temperature=1.0, top_k=0, top_p=1.0, actor_lr=lr, max_grad_norm=1.0)
+
+
 def weight_bytes(model, device_type: str) -> int:
     return storage_bytes([t for p in model.parameters() for t in (p, *quant_state_tensors(p))], device_type)
 
@@ -141,36 +180,63 @@ class Bench:
         self.a, self.device = a, device
         tiny = a.shape == "tiny"
         self.prompt_len = self.new = 16 if tiny else 1024
+        self.grpo = a.estimator == "grpo"
         t0 = time.perf_counter()
         base = build_4bit(a.shape, False, device, seed=1)
         self.rm_home = torch.device("cpu") if a.rm == "cpu" else device
-        rm = build_4bit(a.shape, True, device, seed=2, park=torch.device("cpu") if a.rm == "cpu" else None)
-        head = value_head(base.config.hidden_size, torch.bfloat16, rm.score, 0.02, 0).to(device)
-        sb = SharedBase(base, LORA, LORA, head)
-        self.sb, self.rm = sb, rm
-        self.m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
-                            "actor", sb, {"reward": self.rm_home} if self.rm_home != device else {})
-        self.engines = [make_engine(params, lr=lr, total_steps=100, warmup_ratio=0.0, min_lr_ratio=1.0,
-                                    max_grad_norm=1.0, micro_batch=2)
-                        for params, lr in ((sb.actor_params, 1e-5), (sb.critic_params, 1e-5))]
+        if self.grpo:  # no critic, no reward model: the actor's adapter on `base`, the reference = the adapter off
+            self.m, engine = grpo_roles(base, LORA, 1e-5, 100, 2)
+            self.engines = [engine]
+        else:
+            self.m, self.engines = self.gae_roles(base)
+        self.rm = self.m.rm
         self.m.frozen_check([e.trained for e in self.engines])
-        sb.model.train()  # as stages/ppo.py run(): activation checkpointing applies in training mode only
-        sb.critic.train()
-        self.ledger = MemoryLedger(device, models=(sb.model, sb.critic, rm), engines=self.engines)
+        self.m.train()  # as stages/ppo.py run(): activation checkpointing applies in training mode only
+        models = [x for x in (self.m.policy, self.m.critic, self.rm) if x is not None]
+        self.ledger = MemoryLedger(device, models=models, engines=self.engines)
         self.build_s = time.perf_counter() - t0
         self.tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=None)
         self.actors: dict[bool, HybridActor] = {}
         g = torch.Generator().manual_seed(0)
         vocab = base.config.vocab_size
-        self.prompts = torch.randint(1, vocab, (8, self.prompt_len), generator=g).tolist()
+        n = 1 if self.grpo else 8  # grpo: one prompt, answered 8 times (the group)
+        self.prompts = [p for p in torch.randint(1, vocab, (n, self.prompt_len), generator=g).tolist()
+                        for _ in range(8 // n)]
         self.responses = None
         self.rollout_fallback = None
         self.it = 0
 
+    def gae_roles(self, base):
+        """share_base: actor and critic adapters and a value head on `base`, a separate 4-bit reward model."""
+        a, device = self.a, self.device
+        rm = build_4bit(a.shape, True, device, seed=2, park=torch.device("cpu") if a.rm == "cpu" else None)
+        head = value_head(base.config.hidden_size, torch.bfloat16, rm.score, 0.02, 0).to(device)
+        sb = SharedBase(base, LORA, LORA, head)
+        m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
+                       "actor", sb, {"reward": self.rm_home} if self.rm_home != device else {})
+        return m, [adamw(params, 1e-5, 100, 2) for params in (sb.actor_params, sb.critic_params)]
+
     def cfg(self, micro: int):
+        if self.grpo:
+            return grpo_config(8, micro, self.new)
         from stages.params import PPO
         return PPO(rollout_batch_size=8, minibatch_size=8, micro_batch_size=micro, ppo_epochs=1, iterations=1,
                    max_new_tokens=self.new)
+
+    def rewards(self, cfg) -> Rewards:
+        """gae: the reward model's score; grpo: bench/grpo_peer.py's Python reward (no reward model)."""
+        if not self.grpo:
+            return Rewards(cfg, uses_rm=True)
+        from bench.grpo_peer import our_rewards
+        return our_rewards(cfg)
+
+    def read(self, batch, responses: list[list[int]]) -> Responses:
+        """What the reward sources read: the RM the same tokens as the policy (gae), the function their text (grpo)."""
+        if not self.grpo:
+            return Responses(self.it, [], [], [], scored=batch)
+        from bench.grpo_peer import text
+        return Responses(self.it, [text(p) for p in self.prompts], [text(r) for r in responses],
+                         [{} for _ in responses])
 
     def actor(self, offload: bool) -> HybridActor:
         if offload not in self.actors:
@@ -200,13 +266,13 @@ class Bench:
         responses = self.rollout(offload) if rollout else self.responses
         if rollout:
             self.responses = responses
-        step = PpoStep(cfg, self.m, self.engines, Rewards(cfg, uses_rm=True), micro, phase=self.ledger.phase)
+        step = PpoStep(cfg, self.m, self.engines, self.rewards(cfg), micro, phase=self.ledger.phase)
         experience = step.experience if frozen else partial(PpoStep.experience.__wrapped__, step)
         with self.ledger.phase("scoring") as mem, torch.set_grad_enabled(not frozen):
             # --rm cpu: the step brings the RM in for its scoring (engine.roles.reward.offload's path)
             self.m.moved_in = lambda: mem.hold("weights", self.ledger.held_now()["weights"])
             batch = pack(self.prompts, responses, PAD, self.device)
-            exp = experience(batch, Responses(self.it, [], [], [], scored=batch))  # the RM reads the same tokens
+            exp = experience(batch, self.read(batch, responses))
         exp = {k: v.detach() for k, v in exp.items()}  # unfrozen: the graphs lived through scoring, not beyond
         stats = step.update(batch, exp, 0, self.it)
         sync(self.device)
@@ -214,11 +280,15 @@ class Bench:
         recs = self.ledger.last if self.ledger.metrics() else {}
         return {"phases": {k: record(r) for k, r in recs.items()}, "step_s": total, "stats": stats}
 
+    def scorers(self) -> list:
+        """The models whose forwards the step runs: the policy's base (every role on it), the RM when there is one."""
+        return [x for x in (self.m.policy, self.rm) if x is not None]
+
     @contextmanager
     def unfrozen(self):
         """Freezing off: every frozen floating-point weight tracked by autograd, frozen roles' forwards with autograd."""
         trained = {id(p) for e in self.engines for p in e.trained}
-        params = [p for mod in (self.sb.model, self.rm) for p in mod.parameters()
+        params = [p for mod in self.scorers() for p in mod.parameters()
                   if id(p) not in trained and p.is_floating_point()]
         users = (ppo, rewards, estimators)  # the modules whose forwards the step runs through batched()
         for mod in users:
@@ -236,7 +306,7 @@ class Bench:
 
     @contextmanager
     def attention(self, impl: str):
-        models = (self.sb.model, self.rm)
+        models = self.scorers()
         saved = [m.config._attn_implementation for m in models]
         for m in models:
             m.config._attn_implementation = impl
@@ -289,15 +359,22 @@ def cuda_setup(res: dict) -> None:
 # ------------------------------------------------------------------------------------------------ rows
 
 
-def rows_for(shape: str) -> list[tuple[str, dict, str]]:
-    """(name, step switches, what it changes) after the default row; the ablation only for llama3-8b and tiny."""
-    if shape == "qwen2.5-14b":
-        return []
-    return [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
+ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
             ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout")]
+GRPO_ROWS = ("micro-batch 4", "optimizer offload on")  # short enough for both shapes in one device call
+PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the ablation table's columns
+          "grpo": ("rollout", "scoring", "actor_update")}
+
+
+def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
+    """(name, step switches, what it changes) after the default row; gae's ablation only for llama3-8b and tiny,
+    grpo's two rows for every shape."""
+    if estimator == "grpo":
+        return [r for r in ABLATION if r[0] in GRPO_ROWS]
+    return [] if shape == "qwen2.5-14b" else ABLATION
 
 
 def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
@@ -354,7 +431,9 @@ def gib(x) -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# PPO memory, {res['shape']} ({res.get('gpu', {}).get('name', 'CPU')})", ""]
+    estimator = res.get("estimator", "gae")
+    title = "GRPO (no critic, no reward model)" if estimator == "grpo" else "PPO"
+    lines = [f"# {title} memory, {res['shape']} ({res.get('gpu', {}).get('name', 'CPU')})", ""]
     d = res.get("default")
     if d and "phases" in d:
         tok = res["workload"]["tokens_per_step"]
@@ -369,26 +448,49 @@ def markdown(res: dict) -> str:
                          f"{p['seconds']:.2f} |")
         lines.append("")
     if res.get("ablation"):
-        lines += ["| row (one switch off the default) | peak GiB | s/step | rollout GiB | scoring GiB | "
-                  "critic_update GiB | actor_update GiB | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        phases = PHASES[estimator]
+        lines += ["| row (one switch off the default) | peak GiB | s/step | " + " | ".join(f"{k} GiB" for k in phases)
+                  + " | note |", "|---|---:|---:|" + "---:|" * len(phases) + "---|"]
         for r in res["ablation"]:
             ph = r.get("phases", {})
-            note = ("OOM in " + str(r.get("oom_phase")) if "oom" in r else r.get("error", ""))
+            note = ("OOM in " + str(r.get("oom_phase")) if "oom" in r else r.get("error", r.get("skipped", "")))
             if r.get("backed_off"):
                 note += f" backed off to {r['backed_off']}"
             if ph.get("rollout", {}).get("reused"):
                 note += " rollout reused from default"
             peak = "OOM" if "oom" in r else gib(r.get("peak_gib"))
             s = "" if "oom" in r or "phase_s" not in r else f"{r['phase_s']:.1f}"
-            cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in
-                     ("rollout", "scoring", "critic_update", "actor_update")]
+            cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in phases]
             lines.append(f"| {r['row']} | {peak} | {s} | " + " | ".join(cells) + f" | {note.strip()} |")
     return "\n".join(lines) + "\n"
 
 
 def save(res: dict, out: Path) -> None:
-    (out / f"memory-{res['shape']}.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / f"memory-{res['shape']}.md").write_text(markdown(res))
+    stem = f"memory-{res['shape']}" + ("-grpo" if res.get("estimator") == "grpo" else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(res))
+
+
+def workload(b: Bench) -> dict:
+    """What one step does: 8 sequences of prompt + response tokens (grpo: one prompt's group of 8)."""
+    out = {"prompt": b.prompt_len, "response": b.new, "rollout_batch": 8, "micro_batch": 2, "grad_accum": 4,
+           "ppo_epochs": 1, "tokens_per_step": 8 * (b.prompt_len + b.new)}
+    if b.grpo:
+        cfg = b.cfg(2)
+        out.update(prompts_per_rollout=cfg.rollout_batch_size, samples_per_prompt=cfg.samples_per_prompt,
+                   kl_in_loss=cfg.kl_in_loss, kl_coef=cfg.kl_coef, critic=False, reward_model=False)
+    return out
+
+
+def built(b: Bench) -> dict:
+    """The build's seconds, weights and trained parameters."""
+    dt = b.device.type
+    out = {"seconds": b.build_s, "policy_weights_gib": weight_bytes(b.m.policy, dt) / GIB,
+           "trained_params": sum(p.numel() for e in b.engines for p in e.trained)}
+    if b.rm is not None:
+        out.update(reward_weights_gib=weight_bytes(b.rm, dt) / GIB,
+                   reward_weights_cpu_gib=weight_bytes(b.rm, "cpu") / GIB)
+    return out
 
 
 def main() -> int:
@@ -400,8 +502,12 @@ def main() -> int:
                     help="where the reward model lives between scoring phases (gpu: resident, the pipeline's way)")
     ap.add_argument("--rollout-compile", choices=("off", "auto"), default="off",
                     help="torch.compile the native decode step (auto: the backend's default); off keeps the CUDA graph")
+    ap.add_argument("--estimator", choices=("gae", "grpo"), default="gae",
+                    help="gae: actor, critic and reward model; grpo: the actor alone, 1 prompt x 8, a Python reward")
     ap.add_argument("--budget-s", type=float, default=540.0)
     a = ap.parse_args()
+    if a.estimator == "grpo" and a.rm == "cpu":
+        ap.error("--rm cpu: --estimator grpo builds no reward model")
     a.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     cuda = a.shape != "tiny"
@@ -413,17 +519,14 @@ def main() -> int:
                                                       "python": platform.python_version()},
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "target_gib": TARGET_GIB.get(a.shape),
            "lora": {"rank": LORA.rank, "alpha": LORA.alpha, "targets": list(LORA.targets)}, "rm": a.rm,
-           "rollout_compile": a.rollout_compile}
+           "rollout_compile": a.rollout_compile, "estimator": a.estimator}
+    if a.estimator == "grpo":
+        res["rm"] = "none (the reward: bench/grpo_peer.py's Python function)"
     if cuda:
         cuda_setup(res)
     b = Bench(a, device)
-    res["workload"] = {"prompt": b.prompt_len, "response": b.new, "rollout_batch": 8, "micro_batch": 2,
-                       "grad_accum": 4, "ppo_epochs": 1, "tokens_per_step": 8 * (b.prompt_len + b.new)}
-    dt = device.type
-    res["build"] = {"seconds": b.build_s, "policy_weights_gib": weight_bytes(b.sb.model, dt) / GIB,
-                    "reward_weights_gib": weight_bytes(b.rm, dt) / GIB,
-                    "reward_weights_cpu_gib": weight_bytes(b.rm, "cpu") / GIB,
-                    "trained_params": sum(p.numel() for e in b.engines for p in e.trained)}
+    res["workload"] = workload(b)
+    res["build"] = built(b)
     if cuda:
         res["build"]["allocated_gib"] = torch.cuda.memory_allocated() / GIB
     print(json.dumps(res, default=str), flush=True)
@@ -441,7 +544,7 @@ def main() -> int:
           flush=True)
     default = run_row(b, "default", {}, res)
     out_of_memory = "oom" in default or "out of memory" in default.get("error", "")
-    if out_of_memory and a.rm == "gpu" and cuda:
+    if out_of_memory and a.rm == "gpu" and cuda and b.rm is not None:
         res["default_rm_resident"] = default  # the pipeline's layout does not fit: RM on the CPU between scorings
         b.rm.to("cpu")
         b.rm_home = torch.device("cpu")
@@ -456,7 +559,7 @@ def main() -> int:
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []
-    for name, sw, what in rows_for(a.shape):
+    for name, sw, what in rows_for(a.shape, a.estimator):
         left = a.budget_s - (time.perf_counter() - t_start)
         est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
         if left < est * 1.3:
