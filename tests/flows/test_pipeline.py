@@ -106,3 +106,24 @@ def test_mlflow_parent_and_nested_stage_runs(tiny_run):
     for name in ("reward", "kl", "clipfrac", "value_loss", "explained_variance", "entropy", "response_length"):
         assert len(client.get_metric_history(by_stage["ppo"].info.run_id, name)) > 1, name
     assert by_stage["sft"].data.tags["cache_hit"] == "false"
+
+
+def test_grpo_and_dpo_recipes_through_the_cli(tiny_run):
+    """The tiny-grpo and tiny-dpo presets through the CLI beside the default run: SFT is the same cache hit, no RM
+    stage runs, --summary-json and the table name the policy stage (stages.dpo.artifact), and the policy beats SFT
+    by >= 10 points of task accuracy."""
+    verifier = f"{ROOT / 'stages' / 'example_reward.py'}:correct"  # the preset's path is relative to the repo root
+    for preset, policy, extra in (("tiny-grpo", "ppo", ["--set", f"ppo.reward_function={verifier}"]),
+                                  ("tiny-dpo", "dpo", [])):
+        proc = run_cli(["run", preset, *extra, "--summary-json", f"{preset}.json"], tiny_run.workdir)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        s = json.loads((tiny_run.workdir / f"{preset}.json").read_text())["stages"]
+        assert list(s) == ["sft", policy, "evaluate"]
+        assert s["sft"]["cached"] and s["sft"]["key"] == tiny_run.summary["stages"]["sft"]["key"]
+        assert Path(s[policy]["artifact"]) == tiny_run.workdir / "artifacts" / policy / s[policy]["key"]
+        assert read_verified(Path(s["evaluate"]["artifact"]))["inputs"] == {"sft": s["sft"]["key"],
+                                                                             policy: s[policy]["key"]}
+        ev = s["evaluate"]["metrics"]
+        assert ev[f"{policy}_accuracy"] >= ev["sft_accuracy"] + 0.10, ev
+        assert "sft_reward" not in ev and f"{policy}_reward" not in ev  # no reward model in these recipes
+        assert f"-> {policy.upper()} " in proc.stdout
