@@ -312,12 +312,12 @@ def _rows(p: Params, tok, tables: dict, positions: Optional[int]) -> None:
         ds = tables["sft"]
         examples.sft_examples(tok, ds, data.is_conversational(ds, "sft"), limit(p.sft.max_seq_len),
                               data.source(p, "sft"), positions if known else None, report=known)
-    for stage in ("reward", "dpo"):
+    for stage, encode in (("reward", examples.pair_examples), ("dpo", examples.policy_pairs)):  # as each encodes
         if "preferences" in tables and stage in run:
             ds = tables["preferences"]
-            examples.pair_examples(tok, ds, data.is_conversational(ds, "preferences"),
-                                   limit(getattr(p, stage).max_seq_len), data.source(p, "preferences"),
-                                   positions if known else None, report=known, field=f"{stage}.max_seq_len")
+            encode(tok, ds, data.is_conversational(ds, "preferences"), limit(getattr(p, stage).max_seq_len),
+                   data.source(p, "preferences"), positions if known else None, report=known,
+                   field=f"{stage}.max_seq_len")
     if "prompts" in tables:
         ps = examples.prompt_set(tok, tables["prompts"], data.source(p, "prompts"))
         new = max([getattr(p, s).max_new_tokens or 0 for s in ("ppo", "evaluate") if s in run], default=0)

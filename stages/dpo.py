@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from hybridcore.adapters import use_adapter
 from hybridcore.batch import micro_batches, pack, right_pad, shuffled_batches
 from hybridcore.engine import checkpoint_parts
-from hybridcore.errors import NotYetSupported, say
+from hybridcore.errors import say
 from hybridcore.forward import response_logprobs
 from hybridcore.freezing import assert_frozen
 from hybridcore.interrupts import fault_active, fault_point
@@ -28,6 +28,7 @@ from hybridcore.oom import OomBackoff
 from hybridcore.parallel import dp_share, dp_sum, is_main
 from hybridcore.rl import dpo_loss
 from stages import data
+from stages.params import check_dpo_layout
 from stages.common import (Resumable, StepLog, checkpointed, checkpointing, context_of, export, finite, frozen,
                            load_policy, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
 from stages.examples import PolicyPairs, policy_pairs
@@ -198,18 +199,9 @@ def load_pairs(p, tok, model) -> tuple[PolicyPairs, PolicyPairs]:
                  for ds in (split.train, split.heldout))
 
 
-def one_process(p) -> None:
-    """DPO runs in one process for now: its steps share batches over dp ranks as the RM's do, but no several-rank
-    job of it has been run (stages/launch.py DISTRIBUTED leaves it out)."""
-    lay = p.engine.layout
-    if lay.dp * lay.tp > 1:
-        raise NotYetSupported(f"the dpo stage with engine.layout.dp={lay.dp}, tp={lay.tp} (dpo runs in one process; "
-                              f"ZeRO and offload in one process work)", "issue 15's multi-process DPO")
-
-
 def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     cfg, sft = p.dpo, inputs["sft"] / "model"
-    one_process(p)
+    check_dpo_layout(p)  # load_params refused it already; a Params built another way is refused here
     seed_all(p.pipeline.seed)
     tok = load_tokenizer(str(sft))
     model, peft = with_lora(p, tp_split(p, load_policy(p, sft, "actor")), "actor")

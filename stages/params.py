@@ -407,6 +407,7 @@ def check_layout(p: Params) -> None:
     e, lay = p.engine, p.engine.layout
     if lay == Layout():
         return
+    check_dpo_layout(p)
     from hybridcore.parallel import Layout as Plain, validate  # torch: only when a layout is asked for
     validate(Plain.of(lay))
     check_layout_features(p)
@@ -419,6 +420,16 @@ def check_layout(p: Params) -> None:
     if e.rollout.offload_optimizer:
         raise InputError("engine.rollout.offload_optimizer: true under ZeRO (engine.layout.zero_stage > 0); expected "
                          "false, and engine.layout.offload_optimizer: true to keep the optimizer states on the CPU")
+
+
+def check_dpo_layout(p: Params) -> None:
+    """DPO runs in one process for now: its steps share batches over dp ranks as the RM's do, but no several-rank
+    job of it has been run (stages/launch.py DISTRIBUTED leaves it out). Refused before SFT runs, not after."""
+    lay = p.engine.layout
+    if "dpo" in p.pipeline.stages and lay.dp * lay.tp > 1:
+        from hybridcore.errors import NotYetSupported
+        raise NotYetSupported(f"the dpo stage with engine.layout.dp={lay.dp}, tp={lay.tp} (dpo runs in one process; "
+                              f"ZeRO and offload in one process work)", "issue 15's multi-process DPO")
 
 
 TRAINED = ("actor", "critic", "reward")  # actor: SFT and PPO; reward: the RM stage; critic: PPO

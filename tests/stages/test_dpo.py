@@ -265,5 +265,5 @@ def test_planner_nan_skip_and_refused_layouts(micro, monkeypatch, capsys):
     result = run_stage(p, "dpo", keys)
     assert result.metrics["planned_micro_batch"] >= 1 and result.metrics["steps"] == 3
     assert "dpo step 1: loss=nan; skipping this batch" in capsys.readouterr().out
-    with pytest.raises(NotYetSupported, match=r"engine.layout.dp=2"):
-        dpo.one_process(params(root, engine={"layout": {"dp": 2}}))
+    with pytest.raises(NotYetSupported, match=r"the dpo stage with engine.layout.dp=2"):  # before SFT runs
+        params(root, engine={"layout": {"dp": 2}})
