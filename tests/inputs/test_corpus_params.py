@@ -12,8 +12,8 @@ from hybridcore.artifacts import read_verified
 from hybridcore.errors import InputError, NotYetSupported
 from stages import checks
 from stages.checks import preflight
-from stages.params import load_params, parse_sets
-from tests.inputs.helpers import check, params_for, refuse
+from stages.params import deep_merge, load_params, parse_sets
+from tests.inputs.helpers import check, params_for, refuse, write_jsonl
 
 # overrides on params/test.yaml (micro preset: 256 positions; sft/reward batch 16 of micro 8; ppo rollout 16,
 # minibatch 8, micro 4; 64 built-in examples of each kind) -> texts the one-line message must hold
@@ -163,3 +163,28 @@ def test_not_yet_supported_survives_pickling():
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is NotYetSupported and str(back) == str(err)
     assert isinstance(back, InputError)
+
+
+CRITIC_FREE = {"pipeline": {"stages": ["sft", "ppo", "evaluate"]},
+               "ppo": {"estimator": "grpo", "samples_per_prompt": 2, "rollout_batch_size": 8}}
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("missing.py:score", ["ppo.reward_function", "missing.py not found", "expected FILE.py:NAME"]),
+    ("{file}:nope", ["ppo.reward_function", "nope is not defined there"]),
+    ("{file}", ["ppo.reward_function", "is not FILE.py:NAME"]),
+])
+def test_reward_function_that_does_not_load(built, tmp_path, spec, expected):
+    """ppo.reward_function naming a missing file, a missing function or no function: one line before any stage."""
+    f = tmp_path / "rewards.py"
+    f.write_text("def score(prompts, responses, rows):\n    return [0.0] * len(responses)\n")
+    refuse(built, check(built, deep_merge(CRITIC_FREE, {"ppo": {"reward_function": spec.format(file=f)}})),
+           *expected)
+
+
+def test_dpo_on_own_files_without_their_preferences(built, tmp_path):
+    """DPO on a user's own SFT file with no preferences file would train on the built-in pairs: refused."""
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i} + 1 =", "response": f" {i + 1}"} for i in range(40)])
+    refuse(built, check(built, {"pipeline": {"stages": ["sft", "dpo", "evaluate"]},
+                                "data": {"sft": {"path": str(sft)}}}),
+           "data.preferences.path: null, but dpo trains on preference pairs", "expected a preferences file")
