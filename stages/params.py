@@ -17,7 +17,7 @@ from hybridcore.errors import InputError
 
 PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
 STAGES = ("sft", "reward", "ppo", "dpo", "evaluate")  # pipeline order; pipeline.stages picks which run
-StageName = Literal["sft", "reward", "ppo", "dpo", "evaluate"]
+StageName = Literal[STAGES]
 
 
 class _Section(BaseModel):
@@ -525,20 +525,15 @@ def stage_inputs(p: Params, stage: str) -> list[str]:
             "evaluate": ["sft", *rm, *([policy_stage(p)] if policy_stage(p) else [])]}[stage]
 
 
-NEEDS = {"reward": ("sft",), "ppo": ("sft",), "dpo": ("sft",), "evaluate": ("sft",)}
-
-
 def check_stages(p: Params) -> None:
     """pipeline.stages: every stage's inputs listed too, one policy stage, and PPO with something to learn from."""
     run, listed = stage_list(p), p.pipeline.stages
     if len(set(listed)) != len(listed):
         raise InputError(f"pipeline.stages: {listed} names a stage twice; expected each stage once")
-    for stage in run:
-        for need in NEEDS.get(stage, ()):
-            if need not in run:
-                raise InputError(f"pipeline.stages: {stage} reads the {need} stage's artifact, but {need} is not "
-                                 f"listed (found {listed}); expected e.g. [sft, reward, ppo, evaluate], "
-                                 f"[sft, ppo, evaluate] or [sft, dpo, evaluate] (a cached stage costs nothing)")
+    if "sft" not in run:  # every other stage starts from SFT's artifact
+        raise InputError(f"pipeline.stages: {run[0]} reads the sft stage's artifact, but sft is not listed (found "
+                         f"{listed}); expected e.g. [sft, reward, ppo, evaluate], [sft, ppo, evaluate] or "
+                         f"[sft, dpo, evaluate] (a cached stage costs nothing)")
     if all(s in run for s in POLICY_STAGES):
         raise InputError(f"pipeline.stages: both ppo and dpo listed (found {listed}); expected one policy stage "
                          f"per run (run the other with its own pipeline.stages)")
