@@ -269,14 +269,21 @@ def _user_functions(p: Params) -> None:
 
 
 def _own_data(p: Params) -> None:
-    """A DPO run on the user's own files needs the user's preferences: it would otherwise train the user's policy on
-    the built-in task's pairs without a word."""
+    """A run on the user's own files needs the user's preferences for the stages that train on pairs (the RM, DPO):
+    they would otherwise train on the built-in task's pairs without a word."""
     run = stage_list(p)
     own = [kind for kind in ("sft", "prompts") if getattr(p.data, kind).path is not None]
-    if "dpo" in run and own and p.data.preferences.path is None:
+    if not own or p.data.preferences.path is not None:
+        return
+    if "dpo" in run:
         raise InputError(f"data.preferences.path: null, but dpo trains on preference pairs and this run "
                          f"reads your own data.{own[0]}.path; expected a preferences file (prompt, chosen, "
                          f"rejected rows) or no own files at all (the built-in task)")
+    if "reward" in run:
+        raise InputError(f"data.preferences.path: null, but the reward stage trains the RM on preference pairs and "
+                         f"this run reads your own data.{own[0]}.path; expected a preferences file (prompt, chosen, "
+                         f"rejected rows), or, for PPO on a function, `reward` dropped from pipeline.stages and "
+                         f"ppo.reward_function: FILE.py:NAME")
 
 
 def _template(p: Params, tok) -> None:

@@ -66,8 +66,10 @@ def test_cli_error_found_inside_a_stage_exits_2_without_traceback(tmp_path, buil
     rows = [{"prompt": f"mia has {i % 10} pears. total:", "response": " 3"} for i in range(40)]
     rows[7]["prompt"] = "mia has " + "many " * 120 + "pears. total:"
     f = write_jsonl(tmp_path / "long.jsonl", rows)
-    proc = run_cli(["run", "test", *_store(built), "--set", f"data.sft.path={f}", "--set", "sft.max_seq_len=64"],
-                   tmp_path, timeout=300)
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": f"tom has {i % 10} coins. total:", "chosen": " 1",
+                                                    "rejected": " 2"} for i in range(40)])
+    proc = run_cli(["run", "test", *_store(built), "--set", f"data.sft.path={f}", "--set",
+                    f"data.preferences.path={prefs}", "--set", "sft.max_seq_len=64"], tmp_path, timeout=300)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith("error: ")]

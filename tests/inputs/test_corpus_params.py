@@ -188,3 +188,21 @@ def test_dpo_on_own_files_without_their_preferences(built, tmp_path):
     refuse(built, check(built, {"pipeline": {"stages": ["sft", "dpo", "evaluate"]},
                                 "data": {"sft": {"path": str(sft)}}}),
            "data.preferences.path: null, but dpo trains on preference pairs", "expected a preferences file")
+
+
+def test_reward_on_own_files_without_their_preferences(built, tmp_path):
+    """The reward stage on a user's own prompts (or SFT file) with no preferences file would train the RM on the
+    built-in pairs: refused, pointing at a preferences file or PPO on a function; that run passes."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i} + 1 =", "answer": f"{i + 1}"}
+                                                       for i in range(40)])
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i} + 1 =", "response": f" {i + 1}"} for i in range(40)])
+    for own in ({"prompts": {"path": str(prompts)}}, {"sft": {"path": str(sft)}}):
+        kind = next(iter(own))
+        refuse(built, check(built, {"data": own}),
+               "data.preferences.path: null, but the reward stage trains the RM on preference pairs",
+               f"your own data.{kind}.path", "expected a preferences file",
+               "`reward` dropped from pipeline.stages and ppo.reward_function")
+    f = tmp_path / "rewards.py"
+    f.write_text("def score(prompts, responses, rows):\n    return [0.0] * len(responses)\n")
+    check(built, deep_merge(CRITIC_FREE, {"data": {"prompts": {"path": str(prompts)}, "sft": {"path": str(sft)}},
+                                          "ppo": {"reward_function": f"{f}:score"}}))()

@@ -27,7 +27,10 @@ def test_checks_and_data_reading_never_unpickle(no_unpickling, built, micro_mode
     f = write_jsonl(tmp_path / "s.jsonl", [{"prompt": f"q{i}", "response": " 1"} for i in range(20)])
     data.read_table(str(f), "sft").to_parquet(str(tmp_path / "s.parquet"))
     assert len(data.read_table(str(tmp_path / "s.parquet"), "sft")) == 20
-    check(built, {"model": {"path": str(micro_model)}, "data": {"sft": {"path": str(f)}}})()
+    prefs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}", "chosen": " 1", "rejected": " 2"}
+                                               for i in range(20)])
+    check(built, {"model": {"path": str(micro_model)},
+                  "data": {"sft": {"path": str(f)}, "preferences": {"path": str(prefs)}}})()
 
 
 def test_loaders_ask_for_safetensors_and_no_remote_code(monkeypatch, micro_model):

@@ -86,8 +86,11 @@ def test_prompt_too_long_for_a_tokenizer_trained_by_sft_is_one_line_after_sft(tm
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(str(rng.randrange(10)) for _ in range(600))}) + "\n"
                                for _ in range(20)))
+    prefs = tmp_path / "preferences.jsonl"  # own prompts need own pairs for the RM (pre-flight refuses otherwise)
+    prefs.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "chosen": f" {i + 1}", "rejected": f" {i + 2}"})
+                             + "\n" for i in range(40)))
     p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path / "art")},
-                             "data": {"prompts": {"path": str(prompts)}}})
+                             "data": {"prompts": {"path": str(prompts)}, "preferences": {"path": str(prefs)}}})
     keys = stage_keys(p)
     done = [run_stage(p, s, keys) for s in ("sft", "reward")]
     with pytest.raises(InputError, match=r"^data.prompts.path: .*: the prompt starting '\d \d \d.*' is \d+ tokens, and with "
