@@ -28,14 +28,15 @@ class HybridActor:
     def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
                  optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False,
                  backend_options: dict | None = None, groups=None, rollout_tp: int | None = None,
-                 train_engine=None):
+                 train_engine=None, chunk_size: int | None = None):
         """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
         baseline) or "vllm" (an in-process vLLM engine synced on entry; the extra); backend_options are its
         constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout.
         train_engine: the engine (hybridcore/engine.py) that trains `model`; its rollout_weights() is entered for
         each rollout (under ZeRO-3 every dp rank rolls out together). Without one, a tensor-parallel model
         (tensor_parallel.split_model) needs `groups` (parallel.init's) and is regrouped into `rollout_tp`
-        (default: its training tp); every rank constructs the actor."""
+        (default: its training tp); every rank constructs the actor. chunk_size: the most sequences generated at
+        once (one KV cache's rows; None: all of them); more are generated chunk after chunk."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         if train_engine is not None and train_engine.module is not model and train_engine.layout.zero_stage == 3:
@@ -55,7 +56,10 @@ class HybridActor:
         self.offload = OptimizerOffload(optimizer) if offload_optimizer else None
         self.transitions = [t for t in (TrainMode(model, activation_checkpointing), self.offload, weights,
                                         BackendCache(self.backend)) if t is not None]
+        self.chunk_size = chunk_size
         self.in_rollout = False
+        self.last_stats: dict[str, float] = {}
+        self.last_logprobs: list[list[float]] | None = None
         self.last_transition_s: dict[str, float] = {}
         self.last_transition_bytes: dict[str, int] = {}
         self.last_transitions: dict[str, dict[str, float]] = {}
@@ -107,18 +111,54 @@ class HybridActor:
             return r.gather(out)
         return self._generate(prompts, max_new_tokens, greedy, temperature, top_k, top_p)
 
-    def _generate(self, prompts, max_new_tokens, greedy, temperature, top_k, top_p) -> list[list[int]]:
+    def _generate(self, prompts, max_new_tokens, greedy, temperature, top_k, top_p, steps=None) -> list[list[int]]:
+        """Chunk after chunk of at most chunk_size prompts, all chunks of one size (the last one filled up with
+        copies of its first prompt, whose responses are dropped) so the native backend keeps one KV cache and one
+        captured graph for the whole rollout."""
+        n = len(prompts)
+        chunks = -(-n // min(self.chunk_size or n, n))
+        size = -(-n // chunks)
+        responses, logprobs, stats = [], [], []
+        for start in range(0, n, size):
+            part = prompts[start:start + size]
+            real = len(part)
+            part = part + [part[0]] * (size - real)
+            out, logp = self._generate_chunk(part, max_new_tokens, greedy, temperature, top_k, top_p, steps)
+            responses += out[:real]
+            logprobs = None if logp is None or logprobs is None else logprobs + logp[:real]
+            stats.append(dict(getattr(self.backend, "last_stats", {})))
+        self.last_logprobs = logprobs
+        self.last_stats = {**stats[-1], "chunks": len(stats), "chunk_rows": size,
+                           **{k: sum(st.get(k, 0) for st in stats) for k in ("prefill_s", "decode_s", "steps")
+                              if k in stats[-1]}}
+        return responses
+
+    def _generate_chunk(self, prompts, max_new_tokens, greedy, temperature, top_k, top_p, steps):
+        """(responses cut after their stop token, each response token's rollout log-prob or None)."""
         tok = self.tokenizer
         ids, mask = left_pad(prompts, tok.pad_token_id)
         device = next(self.model.parameters()).device
+        extra = {"steps": steps} if steps is not None else {}
         out = self.backend.generate(ids.to(device), mask.to(device), max_new_tokens, eos_id=self.stop_ids,
                                     pad_id=tok.pad_token_id, greedy=greedy, temperature=temperature, top_k=top_k,
-                                    top_p=top_p)
-        responses = []
-        for row in out.tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+                                    top_p=top_p, **extra)
+        logp = getattr(self.backend, "last_logprobs", None)
+        logp = logp.tolist() if logp is not None else None
+        responses, logps = [], []
+        for i, row in enumerate(out.tolist()):
+            end = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
             responses.append(row if end is None else row[: end + 1])
-        return responses
+            if logp is not None:
+                logps.append(logp[i][: len(responses[-1])])
+        return responses, (logps if logp is not None else None)
+
+    def probe(self, prompt: list[int], rows: int, max_new_tokens: int, steps: int = 2) -> None:
+        """What the memory planner measures of a rollout of `rows` copies of `prompt`: its transitions, a KV cache
+        sized for max_new_tokens, the prefill and `steps` decode steps (native backend: the others cannot stop
+        early, and generate the whole length)."""
+        with self.rollout():
+            self._generate_chunk([prompt] * rows, max_new_tokens, True, 1.0, 0, 1.0,
+                                 steps if self.backend.name == "native" else None)
 
     def close(self) -> None:
         """Release what the backend holds beyond the KV cache (a vLLM engine and its memory)."""

@@ -5,6 +5,9 @@ what it holds outside the step (weights, optimizer states). The planner starts f
 (micro ~= budget_GB x 0.6 / (params_B x 2 x 3)), measures, and moves in powers of two (never above the batch) to the
 largest size that fits with a safety margin. Where weights + gradients + optimizer states alone exceed the budget it
 moves the optimizer states to the CPU (ZeRO-2 offload) when it can, and otherwise says what does not fit.
+PPO's rollout is planned the same way (plan_rollout): a probe rollout (the KV cache at full length, the prefill, a
+few decode steps) picks the largest chunk of the rollout batch generated at once, and whether the actor's optimizer
+states leave the device meanwhile.
 
 Measuring: on CUDA, torch.cuda.max_memory_allocated over the probe. On the CPU, torch.profiler's memory events:
 every allocation and free of torch's CPU allocator during the probe, summed in time order, whose running maximum is
@@ -59,6 +62,19 @@ def measure_peak(fn: Callable[[], None], device: torch.device) -> int:
         current += e.nbytes()  # negative for a free
         peak = max(peak, current)
     return peak
+
+
+def probed(probe: Callable[[int], None], rows: int, device, budget: int) -> int:
+    """measure_peak of probe(rows), without moving the run's random streams; the whole budget when it ran out of
+    memory (the probe let go of what it made; the allocator's cache is emptied)."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return measure_peak(lambda: probe(rows), device)
+    except torch.OutOfMemoryError:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return budget
 
 
 def held_bytes(modules: Iterable[torch.nn.Module]) -> int:
@@ -143,14 +159,7 @@ def plan_micro_batch(stage: str, budget_gib: float, batch_size: int, n_params: i
     plan = Plan(0, 0, held, budget, offload_optimizer)
 
     def fits(size: int) -> bool:
-        try:
-            with torch.random.fork_rng(devices=[]):  # the probe must not move the run's random streams
-                peak = measure_peak(lambda: probe(size), device)
-        except torch.OutOfMemoryError:
-            peak = budget  # did not fit at all (the probe dropped its gradients); let go of what it left cached
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        peak = probed(probe, size, device, budget)
         plan.tried[size] = held + peak
         if held + peak <= usable:
             plan.micro_batch, plan.probe_peak_bytes = size, peak
@@ -181,21 +190,59 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * rows * kv_heads * length * head_dim * dtype.itemsize
 
 
-def choose_rollout_offload(budget_gib: float, held: int, actor_optimizer: int, kv_cache: int) -> bool:
-    """Whether PPO's actor must move its optimizer states off the device while it rolls out (the rollout holds the
-    weights, those states and the KV cache; the update does not hold the KV cache); an InputError if even then
-    the KV cache does not fit. held: weights + every optimizer state on the device."""
-    usable = budget_gib * GIB * (1 - MARGIN)
-    if held + kv_cache <= usable:
-        return False
-    if held - actor_optimizer + kv_cache <= usable:
-        return True
-    over = (held - actor_optimizer + kv_cache - usable) / GIB
-    raise InputError(f"engine.memory_budget_gib={budget_gib:g}: PPO's rollout needs a {kv_cache / GIB:.3g} GiB KV "
-                     f"cache on top of {(held - actor_optimizer) / GIB:.3g} GiB of weights and critic optimizer "
-                     f"states, {over:.3g} GiB over the {usable / GIB:.3g} GiB usable even with the actor's optimizer "
-                     f"states offloaded; expected a larger budget, or a smaller ppo.rollout_batch_size or "
-                     f"ppo.max_new_tokens")
+@dataclass
+class RolloutPlan:
+    """PPO's rollout under the budget: `chunk` sequences generated at once (the KV cache's rows), and whether the
+    actor's optimizer states leave the device while it rolls out. tried: rows -> held + measured peak, in bytes."""
+    chunk: int
+    offload_optimizer: bool
+    peak_bytes: int
+    held_bytes: int
+    budget_bytes: int
+    tried: dict[int, int] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {"planned_rollout_chunk": float(self.chunk), "planned_rollout_offload": float(self.offload_optimizer),
+                "planned_rollout_peak_mib": self.peak_bytes / MIB}
+
+    def line(self, rows: int) -> str:
+        tried = ", ".join(f"{k}: {v / MIB:.1f}" for k, v in sorted(self.tried.items(), reverse=True))
+        return (f"ppo: memory planner rolls out {self.chunk} of {rows} sequences at a time for a budget of "
+                f"{self.budget_bytes / GIB:.3g} GiB: held {self.held_bytes / MIB:.1f} MiB + rollout peak "
+                f"{self.peak_bytes / MIB:.1f} MiB measured (MiB in total per chunk tried: {tried}; {MARGIN:.0%} "
+                f"kept free)" + ("; the actor's optimizer states go to the CPU while it rolls out"
+                                 if self.offload_optimizer else ""))
+
+
+def plan_rollout(budget_gib: float, rows: int, cap: int, held: int, actor_optimizer: int, can_offload: bool,
+                 kv_cache: Callable[[int], int], probe: Callable[[int], None], device) -> RolloutPlan:
+    """The largest chunk of the rollout's `rows` sequences (at most `cap`; then halving) whose MEASURED rollout
+    (probe(chunk): the weights' rollout transitions, a KV cache of the full length, the prefill and a few decode
+    steps) fits the budget on top of `held` (weights + every optimizer state on the device). At each size the
+    actor's optimizer states stay on the device if they can, else they leave it (when `can_offload`). A size
+    whose KV cache alone (kv_cache(chunk), exact for the static cache) cannot fit is not probed."""
+    budget = int(budget_gib * GIB)
+    usable = budget * (1 - MARGIN)
+    floor = held - (actor_optimizer if can_offload else 0)  # the least the rollout can hold beside its own memory
+    plan = RolloutPlan(0, False, 0, held, budget)
+    size = min(rows, cap)
+    while True:
+        if floor + kv_cache(size) <= usable:
+            peak = probed(probe, size, device, budget)
+            plan.tried[size] = held + peak
+            for offload in (False, True) if can_offload else (False,):
+                if held - (actor_optimizer if offload else 0) + peak <= usable:
+                    plan.chunk, plan.offload_optimizer, plan.peak_bytes = size, offload, peak
+                    plan.held_bytes = held - (actor_optimizer if offload else 0)
+                    return plan
+        if size == 1:
+            break
+        size = -(-size // 2)
+    one = plan.tried[1] - (held - floor) if 1 in plan.tried else floor + kv_cache(1)
+    raise InputError(f"engine.memory_budget_gib={budget_gib:g}: one sequence of PPO's rollout needs "
+                     f"{one / GIB:.3g} GiB ({floor / GIB:.3g} GiB of weights and optimizer states that stay on the "
+                     f"device, then its KV cache, prefill and decode), more than the {usable / GIB:.3g} GiB usable; "
+                     f"expected a larger budget, a smaller ppo.max_new_tokens or shorter prompts")
 
 
 def zero_capable(layout) -> bool:

@@ -260,6 +260,7 @@ class NativeRollout:
         self._decoder: _Decoder | None = None
         self._saved_attention = None
         self.last_stats: dict[str, float] = {}
+        self.last_logprobs: torch.Tensor | None = None
 
     def enter(self) -> None:
         """Route the actor's attention through `grouped_attention` for the rollout (restored by exit)."""
@@ -299,11 +300,16 @@ class NativeRollout:
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
                  eos_id: int | Sequence[int] | None, pad_id: int, greedy: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-        """eos_id: the token(s) that end a response (EOS and a chat template's end of turn); None: none do."""
+                 top_k: int = 0, top_p: float = 1.0, steps: int | None = None) -> torch.Tensor:
+        """eos_id: the token(s) that end a response (EOS and a chat template's end of turn); None: none do.
+        steps: decode at most this many tokens in a cache sized for max_new_tokens (the memory planner's probe).
+        `last_logprobs` [B, n] keeps each sampled token's log-probability under the model's own softmax (before
+        temperature and truncation: what training computes), so PPO can log how far the two paths drift apart."""
         B, P = ids.shape
         stops = stop_tensor(eos_id, ids.device)
         out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=ids.device)
+        logps = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=ids.device)
+        self.last_logprobs = logps[:, :0]
         if max_new_tokens == 0:
             return out
         clock = _Clock(ids.device)
@@ -317,21 +323,22 @@ class NativeRollout:
         clock.mark()
         every = self.stop_check_every or (8 if ids.device.type == "cuda" else 1)
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        n = max_new_tokens
-        for t in range(max_new_tokens):
+        n = last = min(max_new_tokens, steps or max_new_tokens)
+        for t in range(last):
             nxt = sample(logits, greedy, temperature, top_k, top_p)
             if stops is not None:
                 nxt = nxt.masked_fill(finished, pad_id)
                 finished |= torch.isin(nxt, stops)
             out[:, t] = nxt
-            if t + 1 == max_new_tokens:
+            logps[:, t] = torch.log_softmax(logits.float(), -1).gather(1, nxt[:, None]).squeeze(1)
+            if t + 1 == last:
                 break
             if stops is not None and (t + 1) % every == 0 and bool(finished.all()):
                 n = t + 1
                 break
             d.tokens.copy_(nxt[:, None])
             logits = d.step()
-        out = out[:, :n]
+        out, self.last_logprobs = out[:, :n], logps[:, :n]
         clock.mark()
         prefill_s, decode_s = clock.intervals()
         self.last_stats = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": n,

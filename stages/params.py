@@ -248,6 +248,9 @@ class Rollout(_Section):
     backend: Literal["native", "vllm"] = "native"  # native: static KV cache on the training weights; vllm: extra
     tp: int = Field(1, gt=0)
     offload_optimizer: bool = False                 # the actor's AdamW states go to CPU while rolling out
+    # the most sequences generated at once (one KV cache's rows; more go chunk after chunk); null: the whole
+    # rollout batch, or under engine.memory_budget_gib the largest chunk the planner measures to fit
+    chunk_size: Optional[int] = Field(None, gt=0)
     vllm: Vllm = Vllm()
 
 

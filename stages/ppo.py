@@ -323,7 +323,9 @@ class PpoStep:
                         "ended_fraction": float(exp["ended"].float().mean()),
                         "truncated_fraction": truncated_fraction(exp, n_new),
                         **self.estimator.metrics(exp),
-                        **{k: float(exp[k].mean()) for k in ("rm_score", "function_reward") if k in exp}})
+                        **{k: float(exp[k].mean()) for k in ("rm_score", "function_reward") if k in exp},
+                        **({"rollout_logprob_gap": float(((exp["rollout_logp"] - exp["old_logp"]).abs() * mask).sum()
+                                                          / mask.sum().clamp(min=1))} if "rollout_logp" in exp else {})})
 
 
 LOSS_WEIGHT = {  # a micro-batch's part of the minibatch's policy loss, as ppo.loss_agg counts it
@@ -371,23 +373,41 @@ def probe(m: Models, prompts: list[list[int]], max_new_tokens: int):
     return micro_step
 
 
-def rollout_offload(p, m: Models, layout, prompts: list[list[int]], n_new: int, plan_metrics: dict) -> bool:
-    """engine.rollout.offload_optimizer, or the memory planner's call (plain AdamW: under ZeRO DeepSpeed owns the
-    states) when the rollout's KV cache would not fit beside the actor's optimizer states."""
-    if p.engine.rollout.offload_optimizer or p.engine.memory_budget_gib is None or layout.zero_stage > 0:
-        return p.engine.rollout.offload_optimizer
+def rollout_plan(p, m: Models, engines: list, tok, prompts: list[list[int]], n_new: int, sink) -> tuple:
+    """(chunk, offload, metrics): the most sequences the rollout generates at once and whether the actor's AdamW
+    states leave the device while it rolls out; engine.rollout's settings, or under engine.memory_budget_gib the
+    planner's choice, measured on a probe rollout (eager: the CUDA graph's small pool rides on the margin). vLLM
+    sizes its own KV cache (engine.rollout.vllm.kv_cache_gib), so it is not planned here."""
+    r, budget = p.engine.rollout, p.engine.memory_budget_gib
+    if budget is None or r.backend == "vllm":
+        return r.chunk_size, r.offload_optimizer, {}
     from hybridcore import planner
-    states = {role: planner.optimizer_state_bytes(list(t.parameters()), 0, False) for role, t in m.trained().items()}
-    held = planner.held_bytes(m.roles().values()) + sum(v for role, v in states.items() if role != "actor")
+    layout = engines[0].layout
+    states = {role: planner.optimizer_state_bytes(list(t.parameters()), layout.zero_stage, layout.offload_optimizer)
+              for role, t in m.trained().items()}
+    held = planner.held_bytes(m.roles().values()) + sum(states.values()) - (states["actor"] if r.offload_optimizer
+                                                                             else 0)
     rows = p.ppo.rollout_batch_size * p.ppo.samples_per_prompt // p.engine.layout.dp
-    kv = planner.kv_cache_bytes(m.policy.config, rows, max(map(len, prompts)) + n_new,
-                                DTYPES[role_precision(p, "actor")])
-    on = planner.choose_rollout_offload(p.engine.memory_budget_gib, held + states["actor"], states["actor"], kv)
-    plan_metrics["planned_rollout_offload"] = float(on)
-    if on:
-        say(f"ppo: memory planner moves the actor's optimizer states to the CPU while it rolls out (a "
-            f"{kv / 2 ** 20:.1f} MiB KV cache does not fit beside them)")
-    return on
+    longest = max(prompts, key=len)
+    capacity = -(-(len(longest) + n_new) // 64) * 64  # the native backend's cache rounds its length up so
+    dtype = DTYPES[role_precision(p, "actor")]
+    probing = HybridActor(m.policy, tok, checkpointing(p, "actor"), backend=r.backend,
+                          backend_options={"cuda_graph": False, "compile": False}, train_engine=engines[0])
+
+    def probe(chunk: int) -> None:
+        with m.use("actor"):
+            probing.probe(longest, chunk, n_new)
+    try:
+        plan = planner.plan_rollout(budget, rows, r.chunk_size or rows, held, states["actor"],
+                                    layout.zero_stage == 0 and not r.offload_optimizer,
+                                    lambda c: planner.kv_cache_bytes(m.policy.config, c, capacity, dtype), probe,
+                                    m.policy.device)
+    finally:
+        probing.close()
+    m.train()
+    say(plan.line(rows))
+    sink.log(plan.metrics(), 0)
+    return plan.chunk, plan.offload_optimizer or r.offload_optimizer, plan.metrics()
 
 
 def backend_options(p, prompts: list[list[int]], n_new: int) -> dict:
@@ -478,8 +498,9 @@ def build(p, m: Models, tok, ps, n_new: int, rewards: Rewards, sink) -> Loop:
                        max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
                for role, params in trained.items()]
     m.frozen_check([e.trained for e in engines])
-    offload = rollout_offload(p, m, layout, prompts, n_new, plan_metrics)
-    actor = HybridActor(m.policy, tok, checkpointing(p, "actor"),
+    chunk, offload, rollout_metrics = rollout_plan(p, m, engines, tok, prompts, n_new, sink)
+    plan_metrics.update(rollout_metrics)
+    actor = HybridActor(m.policy, tok, checkpointing(p, "actor"), chunk_size=chunk,
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts, n_new),
@@ -510,6 +531,10 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
         m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
         batch = pack(prompts, responses, r.tok.pad_token_id, m.policy.device)
         exp = r.step.experience(batch, r.step.rewards.read(r.ps, r.tok, it, rows, responses, m.policy.device))
+    if actor.last_logprobs is not None:  # each sampled token's log-prob as the rollout computed it
+        exp["rollout_logp"] = torch.zeros_like(exp["old_logp"])
+        for i, lp in enumerate(actor.last_logprobs):
+            exp["rollout_logp"][i, :len(lp)] = torch.tensor(lp)
     if fault_active("ppo", "nan", it):
         exp["scores"][0] = float("nan")
     t2 = time.perf_counter()
@@ -521,7 +546,7 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
     metrics = {**r.step.metrics(exp, r.n_new), "rollout_s": t1 - t0, "scoring_s": t2 - t1,
                "update_s": time.perf_counter() - t2, "transition_enter_s": actor.last_transition_s.get("enter", 0.0),
                "transition_exit_s": actor.last_transition_s.get("exit", 0.0), **stats,
-               **{f"rollout_{k}": float(v) for k, v in actor.backend.last_stats.items()
+               **{f"rollout_{k}": float(v) for k, v in actor.last_stats.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}, **ledger.metrics()}
     r.history.append(metrics)
     warn_truncated(metrics["truncated_fraction"], it, r.n_new, r.history)
@@ -529,7 +554,8 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
 
 
 SUMMARISED = ("reward", "kl", "response_length", "clipfrac", "value_loss", "explained_variance", "entropy",
-              "truncated_fraction", "rm_score", "function_reward", "kl_loss")  # those a run logs: first/last tenth
+              "truncated_fraction", "rm_score", "function_reward", "kl_loss",
+              "rollout_logprob_gap")  # those a run logs: first/last tenth
 
 
 def summarise(r: Loop, logged: dict) -> dict:

@@ -218,6 +218,35 @@ def test_greedy_batch_equals_one_by_one(tok, prompts, eos_model, alone, bs):
         assert tok.pad_token_id not in r
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_chunked_rollout_equals_one_batch_and_keeps_one_cache(tok, prompts, eos_model, alone, chunk):
+    """chunk_size splits the rollout into equal chunks (the last one filled up, its extra rows dropped): greedy
+    responses equal the per-prompt ones, in order, and one KV cache of `size` rows serves every chunk."""
+    actor = HybridActor(eos_model, tok, chunk_size=chunk)
+    with actor.rollout():
+        out = actor.generate(prompts, MAX_NEW, greedy=True)
+        cache_rows = actor.backend._decoder.batch
+    n = len(prompts)
+    assert out == alone
+    assert actor.last_stats["chunks"] == -(-n // chunk) and cache_rows == actor.last_stats["chunk_rows"] <= chunk
+
+
+def test_rollout_logprobs_are_the_training_logprobs_of_the_sampled_tokens(tok, prompts, eos_model):
+    """The native rollout keeps each sampled token's log-prob under the model's own softmax (not the temperature's):
+    the training forward gives the same numbers for the same tokens (fp32 micro model: to rounding)."""
+    actor = HybridActor(eos_model, tok, chunk_size=3)
+    torch.manual_seed(0)
+    with actor.rollout():
+        out = actor.generate(prompts[:5], MAX_NEW, temperature=1.3, top_k=20)
+    assert [len(lp) for lp in actor.last_logprobs] == [len(r) for r in out]
+    batch = pack(prompts[:5], out, tok.pad_token_id)
+    with torch.no_grad():
+        train = response_logprobs(eos_model, batch)
+    for i, lp in enumerate(actor.last_logprobs):
+        torch.testing.assert_close(torch.tensor(lp), train[i, :len(lp)], atol=1e-4, rtol=1e-4)
+    assert max(abs(x) for lp in actor.last_logprobs for x in lp) > 0.1  # not all near-certain tokens
+
+
 def test_greedy_batch_reordered_prompts(tok, prompts, eos_model):
     """Reversing the order of prompts in a batch reverses the responses (rows do not leak into each other)."""
     actor = HybridActor(eos_model, tok)

@@ -118,17 +118,73 @@ def test_sft_runs_with_a_budget_logs_the_choice_and_matches_the_configured_run(t
     assert got.metrics["train_loss"] == ref.metrics["train_loss"]
 
 
-def test_kv_cache_estimate_and_rollout_offload_decision():
-    from hybridcore.planner import choose_rollout_offload, kv_cache_bytes
+def test_kv_cache_estimate_is_the_static_cache():
+    from hybridcore.planner import kv_cache_bytes
     from hybridcore.rollout import StaticKVCache
     cfg = micro_model().config
     cache = StaticKVCache.allocate(cfg, 3, 20, torch.float32, "cpu")
     assert kv_cache_bytes(cfg, 3, 20, torch.float32) == cache.nbytes
-    held, actor_states, kv = 6 * GIB, 2 * GIB, 3 * GIB            # usable of 10 GiB: 9 GiB
-    assert choose_rollout_offload(10, held, actor_states, kv) is False   # 9 fits
-    assert choose_rollout_offload(9, held, actor_states, kv) is True     # 9 > 8.1; without the states 7 fits
-    with pytest.raises(InputError, match="smaller ppo.rollout_batch_size"):
-        choose_rollout_offload(7, held, actor_states, kv)               # 7 > 6.3 even so
+
+
+MIB = 2 ** 20
+
+
+@pytest.mark.parametrize("usable_mib, chunk, offload", [(50, 8, False), (40, 8, True), (30, 4, False),
+                                                        (11, 1, True)])
+def test_rollout_plan_takes_the_largest_chunk_then_offload(usable_mib, chunk, offload):
+    """A probe that allocates 4 MiB per sequence, 10 MiB held of which 6 MiB are the actor's optimizer states:
+    the whole batch if it fits, then the whole batch with the states offloaded, then halved chunks (each with the
+    states kept if they fit); a chunk whose KV cache alone cannot fit is never probed."""
+    from hybridcore.planner import plan_rollout
+    probed = []
+
+    def probe(rows):
+        probed.append(rows)
+        x = torch.empty(rows * MIB, dtype=torch.int32)  # 4 MiB a row
+        del x
+    budget = usable_mib * MIB / (1 - MARGIN) / GIB
+    plan = plan_rollout(budget, 8, 8, 10 * MIB, 6 * MIB, True, lambda c: 4 * c * MIB, probe, "cpu")
+    assert (plan.chunk, plan.offload_optimizer) == (chunk, offload)
+    assert 4 * chunk * MIB <= plan.peak_bytes < 4 * chunk * MIB + MIB
+    assert all(4 + 4 * c <= usable_mib for c in probed)  # floor 4 MiB + KV cache: the others were skipped
+    assert plan.metrics()["planned_rollout_chunk"] == chunk
+    assert f"rolls out {chunk} of 8 sequences at a time" in plan.line(8)
+
+
+def test_rollout_plan_that_cannot_fit_is_one_line():
+    from hybridcore.planner import plan_rollout
+    with pytest.raises(InputError, match=r"one sequence of PPO's rollout needs .* smaller ppo.max_new_tokens"):
+        plan_rollout(7 * MIB / GIB, 8, 8, 10 * MIB, 6 * MIB, True, lambda c: 4 * c * MIB, lambda c: None, "cpu")
+    with pytest.raises(InputError, match="one sequence"):  # without offload the states stay: 10 + 4 > 12.6
+        plan_rollout(14 * MIB / GIB, 8, 8, 10 * MIB, 6 * MIB, False, lambda c: 4 * c * MIB, lambda c: None, "cpu")
+
+
+def test_rollout_probe_of_a_real_actor_picks_a_smaller_chunk_under_a_smaller_budget():
+    """HybridActor.probe measured by the planner: a budget that fits the measured 16-row rollout keeps it whole; one
+    that fits about half of it picks a smaller chunk, whose measured rollout fits that budget."""
+    from hybridcore.actor import HybridActor
+    from hybridcore.models import build_preset, train_tokenizer
+    from hybridcore.planner import kv_cache_bytes, plan_rollout
+    tok = train_tokenizer(["the cat sat on the mat and 0123456789"] * 20, 384)
+    model = build_preset("micro", tok, seed=0).float()
+    actor = HybridActor(model, tok)
+    prompt, n_new, rows = tok("the cat sat on the mat")["input_ids"] * 4, 200, 16
+    cap = -(-(len(prompt) + n_new) // 64) * 64
+
+    def probe(c):
+        actor.probe(prompt, c, n_new)
+
+    def kv(c):
+        return kv_cache_bytes(model.config, c, cap, torch.float32)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    whole = measure_peak(lambda: probe(rows), "cpu")
+    assert whole >= kv(rows)  # the KV cache is in what the probe measured
+    big = plan_rollout((held + whole) / (1 - MARGIN) / GIB * 1.01, rows, rows, held, 0, False, kv, probe, "cpu")
+    assert big.chunk == rows
+    small_budget = (held + whole / 2) / (1 - MARGIN) / GIB
+    small = plan_rollout(small_budget, rows, rows, held, 0, False, kv, probe, "cpu")
+    assert 1 <= small.chunk < rows
+    assert held + measure_peak(lambda: probe(small.chunk), "cpu") <= small_budget * GIB * (1 - MARGIN)
 
 
 def test_every_stage_runs_with_a_budget(tmp_path, capsys):
@@ -141,3 +197,7 @@ def test_every_stage_runs_with_a_budget(tmp_path, capsys):
         assert results[stage].metrics["planned_micro_batch"] == size
         assert f"{stage}: memory planner chose micro-batch {size} (configured {configured})" in err
     assert results["ppo"].metrics["planned_rollout_offload"] == 0
+    assert results["ppo"].metrics["planned_rollout_chunk"] == 16  # the whole rollout batch fits
+    assert "ppo: memory planner rolls out 16 of 16 sequences at a time" in err
+    # the rollout sampled from the weights the update then scored: the same log-probs, to fp32 rounding
+    assert 0 <= results["ppo"].metrics["rollout_logprob_gap_last"] < 1e-4
