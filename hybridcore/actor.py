@@ -18,6 +18,7 @@ import torch
 from hybridcore.batch import left_pad
 from hybridcore.chat import stop_ids
 from hybridcore.engine import refuse_unsupported
+from hybridcore.fused_decode import FusedNf4Decode
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.parallel import Layout
 from hybridcore.rollout import make_backend
@@ -28,7 +29,7 @@ class HybridActor:
     def __init__(self, model, tokenizer, activation_checkpointing: bool = False, backend: str = "native",
                  optimizer: torch.optim.Optimizer | None = None, offload_optimizer: bool = False,
                  backend_options: dict | None = None, groups=None, rollout_tp: int | None = None,
-                 train_engine=None, chunk_size: int | None = None):
+                 train_engine=None, chunk_size: int | None = None, fused_4bit: bool = False):
         """backend: "native" (static KV cache, CUDA graphs on GPU) or "hf" (transformers generate, the
         baseline) or "vllm" (an in-process vLLM engine synced on entry; the extra); backend_options are its
         constructor's keywords. offload_optimizer moves `optimizer`'s states to CPU for each rollout.
@@ -36,7 +37,8 @@ class HybridActor:
         each rollout (under ZeRO-3 every dp rank rolls out together). Without one, a tensor-parallel model
         (tensor_parallel.split_model) needs `groups` (parallel.init's) and is regrouped into `rollout_tp`
         (default: its training tp); every rank constructs the actor. chunk_size: the most sequences generated at
-        once (one KV cache's rows; None: all of them); more are generated chunk after chunk."""
+        once (one KV cache's rows; None: all of them); more are generated chunk after chunk. fused_4bit: the
+        native backend decodes bitsandbytes 4-bit linears through the fused NF4 kernel (hybridcore/fused_decode.py)."""
         if offload_optimizer and optimizer is None:
             raise ValueError("offload_optimizer=True needs the optimizer whose states to offload")
         if train_engine is not None and train_engine.module is not model and train_engine.layout.zero_stage == 3:
@@ -54,7 +56,10 @@ class HybridActor:
             refuse_unsupported(layout, {"rollout_backend": backend})
         self.resharder = getattr(weights, "resharder", None)  # generate() splits prompts among rollout groups
         self.offload = OptimizerOffload(optimizer) if offload_optimizer else None
-        self.transitions = [t for t in (TrainMode(model, activation_checkpointing), self.offload, weights,
+        if fused_4bit and backend != "native":
+            raise ValueError(f"fused_4bit needs the native backend, not {backend!r}")
+        fused = FusedNf4Decode(model) if fused_4bit else None
+        self.transitions = [t for t in (TrainMode(model, activation_checkpointing), self.offload, weights, fused,
                                         BackendCache(self.backend)) if t is not None]
         self.chunk_size = chunk_size
         self.in_rollout = False

@@ -251,6 +251,9 @@ class Rollout(_Section):
     # the most sequences generated at once (one KV cache's rows; more go chunk after chunk); null: the whole
     # rollout batch, or under engine.memory_budget_gib the largest chunk the planner measures to fit
     chunk_size: Optional[int] = Field(None, gt=0)
+    # how the native rollout decodes a 4-bit actor's linears: bitsandbytes' own path, or the fused NF4 kernel
+    # (hybridcore/fused_decode.py; CUDA)
+    decode_4bit: Literal["bitsandbytes", "fused"] = "bitsandbytes"
     vllm: Vllm = Vllm()
 
 
@@ -397,6 +400,10 @@ def check_supported(p: Params) -> None:
     check_stages(p)
     check_roles(p)
     check_layout(p)
+    if e.rollout.decode_4bit == "fused" and (e.rollout.backend != "native" or e.roles.actor.quantization != "4bit"):
+        raise InputError(f"engine.rollout.decode_4bit: fused, but the actor is {e.roles.actor.quantization} and the "
+                         f"backend {e.rollout.backend}; expected engine.roles.actor.quantization: 4bit with the "
+                         f"native backend (or decode_4bit: bitsandbytes)")
     if e.layout.tp % e.rollout.tp:
         raise InputError(f"engine.rollout.tp: found {e.rollout.tp}, expected a divisor of engine.layout.tp="
                          f"{e.layout.tp} (the rollout regroups the training shards into fewer, larger ones)")

@@ -501,6 +501,7 @@ def build(p, m: Models, tok, ps, n_new: int, rewards: Rewards, sink) -> Loop:
     chunk, offload, rollout_metrics = rollout_plan(p, m, engines, tok, prompts, n_new, sink)
     plan_metrics.update(rollout_metrics)
     actor = HybridActor(m.policy, tok, checkpointing(p, "actor"), chunk_size=chunk,
+                        fused_4bit=p.engine.rollout.decode_4bit == "fused",
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts, n_new),

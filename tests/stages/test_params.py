@@ -161,6 +161,20 @@ def test_ppo_minibatch_must_be_multiple_of_micro_batch():
     assert "micro_batch_size (3)" in msg
 
 
+@pytest.mark.parametrize("over, found", [({}, "the actor is none and the backend native"),
+                                         ({"engine": {"roles": {"actor": {"quantization": "4bit", "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"]}}},
+                                                      "rollout": {"backend": "vllm"}}}, "backend vllm")])
+def test_fused_4bit_decode_needs_a_4bit_actor_and_the_native_rollout(over, found):
+    msg = _error({**over, "engine": {**over.get("engine", {}), "rollout": {
+        **over.get("engine", {}).get("rollout", {}), "decode_4bit": "fused"}}})
+    assert "engine.rollout.decode_4bit: fused" in msg and found in msg and "\n" not in msg
+
+
+def test_rollout_chunk_size_must_be_positive():
+    msg = _error({"engine": {"rollout": {"chunk_size": 0}}})
+    assert "engine.rollout.chunk_size" in msg
+
+
 # --- overrides and deep_merge ---------------------------------------------------------------------
 
 

@@ -1,0 +1,71 @@
+"""The 4-bit rollout's decode linears through the fused NF4 kernel (hybridcore/nf4.py) instead of bitsandbytes.
+
+A rollout transition (hybridcore/transitions.py's protocol): on entry every bitsandbytes Linear4bit of the model
+gets a forward that sends small batches (at most `max_rows` rows: the decode steps) through `nf4.matmul`, which
+reads each packed weight once, and everything larger (the prefill) through bitsandbytes' own forward; on exit the
+layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer and add their
+deltas around whichever forward it has, so adapters need nothing here. The weights are frozen (QLoRA trains only
+adapters): the fp32 absmax each layer's kernel reads is built on entry from the double-quantised one and dropped
+on exit (an eighth of the packed bytes again: a rollout-only cost).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridcore import nf4
+
+MAX_ROWS = 16  # the decode batch at most, in rows, sent through the fused kernel (bench/nf4_decode.py)
+
+
+def linear4bit_layers(model) -> list[torch.nn.Module]:
+    """bitsandbytes' own Linear4bit layers (peft's LoRA wrapper around one has the same class name)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, Linear4bit)]
+
+
+def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int):
+    own = type(layer).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] > max_rows:
+            return own(layer, x)
+        dtype = getattr(layer, "compute_dtype", None) or x.dtype
+        y = nf4.matmul(x.to(dtype), weight)
+        if layer.bias is not None:
+            y = y + layer.bias.to(dtype)
+        return y.to(x.dtype)
+    return forward
+
+
+class FusedNf4Decode:
+    """The model's Linear4bit layers decode through the fused kernel while the rollout lasts."""
+
+    name = "fused_nf4_decode"
+
+    def __init__(self, model, max_rows: int = MAX_ROWS):
+        self.layers = linear4bit_layers(model)
+        if not self.layers:
+            raise ValueError("fused 4-bit decode: the model has no bitsandbytes Linear4bit layer")
+        self.max_rows = max_rows
+
+    def enter(self) -> dict[str, int]:
+        device = self.layers[0].weight.device
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("engine.rollout.decode_4bit=fused runs its Triton kernel on CUDA (on a CPU only under "
+                               "Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or bitsandbytes")
+        held = 0
+        for layer in self.layers:
+            w = nf4.NF4Weight.from_bnb(layer.weight)
+            held += w.absmax.nbytes
+            layer.forward = fused_forward(layer, w, self.max_rows)
+        return {"fused_absmax": held}
+
+    def exit(self) -> dict[str, int]:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        return {}

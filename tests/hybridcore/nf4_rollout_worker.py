@@ -1,0 +1,68 @@
+"""A tiny 4-bit + LoRA model's greedy rollout with bitsandbytes' decode and with the fused NF4 kernel
+(hybridcore/fused_decode.py), under Triton's interpreter in a process of its own (TRITON_INTERPRET must be set
+before triton is first imported); prints JSON for tests/hybridcore/test_nf4_rollout.py to judge."""
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from hybridcore import nf4  # noqa: E402
+from hybridcore.actor import HybridActor  # noqa: E402
+from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters  # noqa: E402
+from hybridcore.fused_decode import linear4bit_layers  # noqa: E402
+from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer  # noqa: E402
+
+TEXTS = [f"item {i} costs {i * 7 % 50} coins and weighs {i * 3 % 20} grams" for i in range(60)]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def model_and_tokenizer():
+    tok = train_tokenizer(TEXTS, 384)
+    with tempfile.TemporaryDirectory() as d:
+        save_model(build_preset("micro", tok, seed=0), tok, Path(d))
+        model = load_causal_lm(d, quantization="4bit")
+    peft = add_lora(model, LoraSpec(8, 16.0, LINEARS), "engine.roles.actor", "actor")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B = 0 would make the adapters a no-op
+        for name, p in adapter_parameters(peft.get_base_model(), "actor").items():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return peft.get_base_model().eval(), tok
+
+
+def main() -> None:
+    model, tok = model_and_tokenizer()
+    prompts = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(TEXTS[:3])]
+    calls = {"rows": []}
+    plain_matmul = nf4.matmul
+
+    def counted(x, w, *args, **kwargs):
+        calls["rows"].append(x.numel() // x.shape[-1])
+        return plain_matmul(x, w, *args, **kwargs)
+    nf4.matmul = counted
+    out = {}
+    for fused in (False, True):
+        actor = HybridActor(model, tok, fused_4bit=fused)
+        with actor.rollout():
+            out[str(fused)] = actor.generate(prompts, 6, greedy=True)
+            out[f"logp_{fused}"] = actor.last_logprobs
+        out["restored"] = not any("forward" in vars(m) for m in model.modules())
+    out["fused_calls"] = len(calls["rows"])
+    out["fused_rows"] = sorted(set(calls["rows"]))
+    out["linear4bit"] = len(linear4bit_layers(model))
+    try:
+        HybridActor(build_preset("micro", tok, seed=0), tok, fused_4bit=True)
+        out["plain_model"] = ""
+    except ValueError as e:
+        out["plain_model"] = str(e)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

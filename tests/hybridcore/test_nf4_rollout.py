@@ -1,0 +1,43 @@
+"""The native rollout of a 4-bit + LoRA model with its decode linears through the fused NF4 kernel
+(hybridcore/fused_decode.py) against bitsandbytes' own path, under Triton's interpreter (nf4_rollout_worker.py,
+a process of its own: TRITON_INTERPRET only takes effect before triton is first imported)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("nf4_rollout_worker.py")
+DECODE_STEPS, NEW_TOKENS, PROMPTS = 5, 6, 3
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fused_greedy_tokens_equal_the_bitsandbytes_rollout(results):
+    """Same greedy tokens, same log-probs to fp32 rounding, with the LoRA deltas of all seven projections applied
+    around the fused base (a near-uniform random model: a wrong delta or a wrong weight flips its argmax)."""
+    assert len(results["False"]) == PROMPTS and all(len(r) == NEW_TOKENS for r in results["False"])
+    assert results["True"] == results["False"]
+    for a, b in zip(results["logp_True"], results["logp_False"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(results):
+    """Every bitsandbytes Linear4bit (not peft's wrapper of it) once per decode step at the batch's rows; the
+    prefill stays on bitsandbytes; after the rollout the layers have their own forwards again."""
+    assert results["linear4bit"] == 14  # 2 layers x 7 projections
+    assert results["fused_calls"] == results["linear4bit"] * DECODE_STEPS
+    assert results["fused_rows"] == [PROMPTS]
+    assert results["restored"] is True
+
+
+def test_a_model_without_4bit_layers_is_refused(results):
+    assert "has no bitsandbytes Linear4bit layer" in results["plain_model"]
