@@ -238,18 +238,19 @@ class Bench:
         return Responses(self.it, [text(p) for p in self.prompts], [text(r) for r in responses],
                          [{} for _ in responses])
 
-    def actor(self, offload: bool) -> HybridActor:
-        if offload not in self.actors:
+    def actor(self, offload: bool, fused: bool = False) -> HybridActor:
+        if (offload, fused) not in self.actors:
             opts = {} if self.device.type != "cuda" else {"compile": None if self.a.rollout_compile == "auto" else False}
             if self.rollout_fallback:
                 opts = {"cuda_graph": False, "compile": False}
-            self.actors[offload] = HybridActor(self.m.policy, self.tok, activation_checkpointing=True,
-                                               optimizer=self.engines[0].optimizer if offload else None,
-                                               offload_optimizer=offload, backend="native", backend_options=opts)
-        return self.actors[offload]
+            self.actors[offload, fused] = HybridActor(self.m.policy, self.tok, activation_checkpointing=True,
+                                                      optimizer=self.engines[0].optimizer if offload else None,
+                                                      offload_optimizer=offload, backend="native",
+                                                      backend_options=opts, fused_4bit=fused)
+        return self.actors[offload, fused]
 
-    def rollout(self, offload: bool) -> list[list[int]]:
-        actor = self.actor(offload)
+    def rollout(self, offload: bool, fused: bool = False) -> list[list[int]]:
+        actor = self.actor(offload, fused)
         if offload:
             actor.reserve_host_states()  # pinned once, outside the transition, as stages/ppo.py does
         with self.ledger.phase("rollout") as mem, self.m.use("actor"), actor.rollout():
@@ -258,12 +259,13 @@ class Bench:
         assert all(len(r) == self.new for r in out), "every response runs to max_new_tokens (no EOS)"
         return out
 
-    def step(self, micro: int = 2, rollout: bool = True, offload: bool = False, frozen: bool = True) -> dict:
+    def step(self, micro: int = 2, rollout: bool = True, offload: bool = False, frozen: bool = True,
+             fused: bool = False) -> dict:
         """One PPO step; returns the ledger's record of each phase and the update's statistics."""
         cfg = self.cfg(micro)
         self.it += 1
         t0 = time.perf_counter()
-        responses = self.rollout(offload) if rollout else self.responses
+        responses = self.rollout(offload, fused) if rollout else self.responses
         if rollout:
             self.responses = responses
         step = PpoStep(cfg, self.m, self.engines, self.rewards(cfg), micro, phase=self.ledger.phase)
@@ -278,7 +280,9 @@ class Bench:
         sync(self.device)
         total = time.perf_counter() - t0
         recs = self.ledger.last if self.ledger.metrics() else {}
-        return {"phases": {k: record(r) for k, r in recs.items()}, "step_s": total, "stats": stats}
+        st = self.actor(offload, fused).last_stats if rollout else {}
+        decode = {"decode_ms_per_token": 1000 * st["decode_s"] / max(st["steps"] - 1, 1)} if "decode_s" in st else {}
+        return {"phases": {k: record(r) for k, r in recs.items()}, "step_s": total, "stats": stats, **decode}
 
     def scorers(self) -> list:
         """The models whose forwards the step runs: the policy's base (every role on it), the RM when there is one."""
@@ -363,18 +367,20 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
-            ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout")]
-GRPO_ROWS = ("micro-batch 4", "optimizer offload on")  # short enough for both shapes in one device call
+            ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
+            ("fused 4-bit decode", {"fused": True}, "decode steps' 4-bit linears through the fused NF4 kernel "
+                                                    "(engine.rollout.decode_4bit: fused)")]
+GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "fused 4-bit decode")
 PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the ablation table's columns
           "grpo": ("rollout", "scoring", "actor_update")}
 
 
 def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
-    """(name, step switches, what it changes) after the default row; gae's ablation only for llama3-8b and tiny,
-    grpo's two rows for every shape."""
-    if estimator == "grpo":
-        return [r for r in ABLATION if r[0] in GRPO_ROWS]
-    return [] if shape == "qwen2.5-14b" else ABLATION
+    """(name, step switches, what it changes) after the default row: gae's whole ablation for llama3-8b and tiny,
+    the fused decode alone for qwen2.5-14b; grpo's three rows for every shape (tiny: no fused row, CPU)."""
+    rows = ([r for r in ABLATION if r[0] in GRPO_ROWS] if estimator == "grpo" else
+            [r for r in ABLATION if r[0] == "fused 4-bit decode"] if shape == "qwen2.5-14b" else ABLATION)
+    return [r for r in rows if shape != "tiny" or not r[1].get("fused")]  # the kernel needs CUDA
 
 
 def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
@@ -389,7 +395,7 @@ def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
             ctx = _null()
         with ctx:
             out = b.step(micro=sw.get("micro", 2), rollout=sw.get("rollout", True), offload=sw.get("offload", False),
-                         frozen=sw.get("frozen", True))
+                         frozen=sw.get("frozen", True), fused=sw.get("fused", False))
         row.update(out)
         if not sw.get("rollout", True) and "rollout" in res.get("default", {}).get("phases", {}):
             row["phases"]["rollout"] = {**res["default"]["phases"]["rollout"], "reused": True}
@@ -439,7 +445,8 @@ def markdown(res: dict) -> str:
         tok = res["workload"]["tokens_per_step"]
         lines += [f"Default row: peak **{gib(d.get('peak_gib'))} GiB** (target {res.get('target_gib')} GiB: "
                   f"{'met' if d.get('target_met') else 'NOT met'}), {d['step_s']:.1f} s/step, "
-                  f"{tok / d['step_s']:.0f} tokens/s ({tok} tokens per step).", "",
+                  f"{tok / d['step_s']:.0f} tokens/s ({tok} tokens per step), decode "
+                  f"{d.get('decode_ms_per_token', float('nan')):.1f} ms per token.", "",
                   "| phase | peak GiB | weights | gradients | optimizer | KV cache | activations (remainder) | s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, p in d["phases"].items():
@@ -449,8 +456,9 @@ def markdown(res: dict) -> str:
         lines.append("")
     if res.get("ablation"):
         phases = PHASES[estimator]
-        lines += ["| row (one switch off the default) | peak GiB | s/step | " + " | ".join(f"{k} GiB" for k in phases)
-                  + " | note |", "|---|---:|---:|" + "---:|" * len(phases) + "---|"]
+        lines += ["| row (one switch off the default) | peak GiB | s/step | decode ms/token | "
+                  + " | ".join(f"{k} GiB" for k in phases) + " | note |", "|---|---:|---:|---:|" + "---:|" * len(phases)
+                  + "---|"]
         for r in res["ablation"]:
             ph = r.get("phases", {})
             note = ("OOM in " + str(r.get("oom_phase")) if "oom" in r else r.get("error", r.get("skipped", "")))
@@ -461,7 +469,8 @@ def markdown(res: dict) -> str:
             peak = "OOM" if "oom" in r else gib(r.get("peak_gib"))
             s = "" if "oom" in r or "phase_s" not in r else f"{r['phase_s']:.1f}"
             cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in phases]
-            lines.append(f"| {r['row']} | {peak} | {s} | " + " | ".join(cells) + f" | {note.strip()} |")
+            dec = f"{r['decode_ms_per_token']:.1f}" if "decode_ms_per_token" in r else ""
+            lines.append(f"| {r['row']} | {peak} | {s} | {dec} | " + " | ".join(cells) + f" | {note.strip()} |")
     return "\n".join(lines) + "\n"
 
 
@@ -555,7 +564,7 @@ def main() -> int:
     if "peak_gib" in default:
         default["target_met"] = default["peak_gib"] <= TARGET_GIB.get(a.shape, CAP_GIB)
     res["default"] = default
-    res["rollout_stats"] = {k: v for k, v in b.actor(False).backend.last_stats.items()}
+    res["rollout_stats"] = {k: v for k, v in b.actor(False).last_stats.items()}
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []
