@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from hybridcore.adapters import LoraSpec, add_lora, save_adapters, save_merged
 from hybridcore.checkpoint import Checkpointer
-from hybridcore.freezing import TrainableState, freeze
+from hybridcore.freezing import TrainableState, assert_frozen, freeze
 from hybridcore.errors import InputError, TrainingFault
 from hybridcore.interrupts import Interrupted, stop_requested
 from hybridcore.models import (DTYPES, PRESETS, build_preset, check_vocab, load_causal_lm, load_sequence_scorer,
@@ -268,6 +268,19 @@ def planned(p, stage: str, batch_size: int, configured: int, models, trained, pr
                               p.engine.layout, device(p), probe, say)
     sink.log(plan.metrics(), 0)
     return plan.micro_batch, layout, plan.metrics()
+
+
+def optim_engine(p, stage: str, model, steps: int, probe, sink):
+    """(engine, micro-batch, planner metrics) for the one model SFT, the RM and DPO train, from the stage's Optim
+    section: the planner's micro-batch and layout, then the optimizer and schedule, then the check that no parameter
+    it leaves alone still tracks gradients (a freezing mistake stops here, not after a silently wrong run)."""
+    cfg = getattr(p, stage)
+    micro, layout, metrics = planned(p, stage, cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size, [model],
+                                     [q for q in model.parameters() if q.requires_grad], probe, sink)
+    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
+                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
+    assert_frozen(stage, {"model": model}, [engine.trained])
+    return engine, micro, metrics
 
 
 def optimizer_metrics(engines: dict) -> dict[str, float]:

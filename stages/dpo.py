@@ -21,7 +21,6 @@ from hybridcore.batch import micro_batches, pack, right_pad, shuffled_batches
 from hybridcore.engine import checkpoint_parts
 from hybridcore.errors import say
 from hybridcore.forward import response_logprobs
-from hybridcore.freezing import assert_frozen
 from hybridcore.interrupts import fault_active, fault_point
 from hybridcore.models import load_tokenizer, set_activation_checkpointing
 from hybridcore.oom import OomBackoff
@@ -30,7 +29,7 @@ from hybridcore.rl import dpo_loss
 from stages import data
 from stages.params import check_dpo_layout
 from stages.common import (Resumable, StepLog, checkpointed, checkpointing, context_of, export, finite, frozen,
-                           load_policy, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
+                           load_policy, optim_engine, optimizer_metrics, seed_all, total_steps, tp_split, with_lora)
 from stages.examples import PolicyPairs, policy_pairs
 
 REFERENCE = "checkpoints/reference-logprobs.safetensors"  # in the staging folder: kept across a resume, dropped
@@ -210,12 +209,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     steps = total_steps(len(pairs), cfg.batch_size, cfg.epochs, "dpo.batch_size")
     set_activation_checkpointing(model, checkpointing(p, "actor"))
     model.train()
-    micro, layout, plan_metrics = planned(p, "dpo", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
-                                          [model], [q for q in model.parameters() if q.requires_grad],
-                                          probe(model, pairs, tok.pad_token_id, cfg), sink)
-    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
-                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
-    assert_frozen("dpo", {"model": model}, [engine.trained])
+    engine, micro, plan_metrics = optim_engine(p, "dpo", model, steps, probe(model, pairs, tok.pad_token_id, cfg), sink)
     log = StepLog("dpo", steps, sink)
     loop = Resumable("dpo", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()

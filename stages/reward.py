@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from hybridcore.batch import micro_batches, shuffled_batches
 from hybridcore.forward import sequence_scores, sequences
-from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import dp_share, dp_sum
@@ -23,7 +22,7 @@ from hybridcore.interrupts import fault_point
 from hybridcore.models import load_tokenizer
 from hybridcore.engine import checkpoint_parts
 from stages.common import (Resumable, StepLog, checkpointed, checkpointing, context_of, export, finite,
-                           load_scorer, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
+                           load_scorer, optim_engine, optimizer_metrics, seed_all, total_steps, tp_split, with_lora)
 
 
 def pair_scores(model, chosen, rejected, pad_id):
@@ -71,12 +70,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     steps = total_steps(len(pairs.chosen), cfg.batch_size, cfg.epochs, "reward.batch_size")
     set_activation_checkpointing(model, checkpointing(p, "reward"))
     model.train()
-    micro, layout, plan_metrics = planned(p, "reward", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
-                                          [model], [q for q in model.parameters() if q.requires_grad],
-                                          probe(model, pairs, tok.pad_token_id), sink)
-    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
-                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
-    assert_frozen("reward", {"model": model}, [engine.trained])
+    engine, micro, plan_metrics = optim_engine(p, "reward", model, steps, probe(model, pairs, tok.pad_token_id), sink)
     log = StepLog("reward", steps, sink)
     loop = Resumable("reward", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()

@@ -13,7 +13,6 @@ import torch
 
 from hybridcore.batch import micro_batches, pack, right_pad, shuffled_batches
 from hybridcore.forward import response_nll
-from hybridcore.freezing import assert_frozen
 from hybridcore.models import set_activation_checkpointing
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import dp_share, dp_sum
@@ -22,7 +21,7 @@ from stages.examples import SftExamples, sft_examples
 from hybridcore.interrupts import fault_active, fault_point
 from hybridcore.engine import checkpoint_parts
 from stages.common import (Resumable, StepLog, base_model, checkpointed, checkpointing, context_of, export,
-                           finite, optimizer_metrics, planned, seed_all, total_steps, tp_split, trainer, with_lora)
+                           finite, optim_engine, optimizer_metrics, seed_all, total_steps, tp_split, with_lora)
 
 
 def token_losses(model, batch):
@@ -81,12 +80,7 @@ def run(p, inputs: dict[str, Path], out: Path, sink) -> dict:
     steps = total_steps(len(ex.prompts), cfg.batch_size, cfg.epochs, "sft.batch_size")
     set_activation_checkpointing(model, checkpointing(p, "actor"))
     model.train()
-    micro, layout, plan_metrics = planned(p, "sft", cfg.batch_size // p.engine.layout.dp, cfg.micro_batch_size,
-                                          [model], [q for q in model.parameters() if q.requires_grad],
-                                          probe(model, ex, tok.pad_token_id), sink)
-    engine = trainer(p, model, lr=cfg.lr, weight_decay=cfg.weight_decay, steps=steps, warmup_ratio=cfg.warmup_ratio,
-                     min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm, micro_batch=micro, layout=layout)
-    assert_frozen("sft", {"model": model}, [engine.trained])
+    engine, micro, plan_metrics = optim_engine(p, "sft", model, steps, probe(model, ex, tok.pad_token_id), sink)
     log = StepLog("sft", steps, sink)
     loop = Resumable("sft", out, cfg, *checkpoint_parts({"": engine}, {"model": checkpointed(model, peft)}), log)
     start, _ = loop.resume()
