@@ -1,11 +1,17 @@
-"""GPU: one decode step's 4-bit linears at the Llama-3-8B shape, fused NF4 kernel (hybridcore/nf4.py) against
-bitsandbytes' matmul_4bit (today's rollout path) and bf16 dense, in one run.
+"""GPU: one decode step's 4-bit linears at the Llama-3-8B shape, the fused NF4 kernels (hybridcore/nf4.py) in a spread
+of configurations against bitsandbytes' matmul_4bit (today's rollout path) and bf16 dense, in one run.
 
-The 7 decoder linears x 32 layers (random weights, NF4 with double quantisation as the pipeline loads them),
-each method's 224 matmuls captured in one CUDA graph and replayed, so launch overhead is out of the comparison.
-Correctness first: every method's output for the first layer against x @ dequantised(W)^T. Needs torch,
-triton and the bitsandbytes wheel (carried). Writes $OUT/nf4_decode.json.
-    python bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32]
+The 7 decoder linears x 32 layers (random weights, NF4 with double quantisation as the pipeline loads them), each
+method's 224 matmuls captured in one CUDA graph and replayed, so Python and the CPU's launch cost are out of the
+comparison (each kernel's start on the GPU stays in every figure). Every (method, batch) is checked: the first
+layer's 7 outputs, as the graph left them after the timed replays (a race in the split-K reduction would show), and
+as one eager call gave them, against x @ dequantised(W)^T in fp32 (max |error| relative to the max |reference|;
+bf16 dense multiplies the weights before quantisation, so its "error" is the quantisation's).
+CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
+skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
+(carried). Writes $OUT/nf4_decode.json, again after every row.
+    python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--budget-s 200]
+    python bench/nf4_decode.py --tiny   # CPU: Triton's interpreter, toy shapes, no graphs -- the script's own check
 """
 import argparse
 import json
@@ -21,98 +27,158 @@ from hybridcore import nf4  # noqa: E402
 HIDDEN, INTER, KV = 4096, 14336, 1024  # Llama-3-8B
 SHAPES = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN),
           "gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
-# (block_n, block_k, split_k, num_warps, num_stages) of the fused kernel, each timed in the same run
-CONFIGS = [(32, 128, 1, 4, 2, "table"), (16, 64, 16, 2, 2, "table"), (32, 128, 1, 4, 2, "select"),
-           (16, 64, 16, 2, 2, "select"), (16, 128, 8, 4, 3, "select"), (64, 128, 4, 4, 3, "select")]
+TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate": (45, 128), "up": (45, 128),
+        "down": (128, 320)}  # --tiny: odd N, a K (320) not a multiple of 128 or 256
+# (name, nf4.matmul arguments, batches), most telling first (a tight --budget-s drops the tail): unset arguments
+# are nf4.DEFAULTS[kernel] (gemv 128 rows x 64 columns a step, 4 warps, no pipelining; dot 64 x 128, 4 warps,
+# 3 stages), split_k "auto", reduce "serial", lookup "table", block_m the batch (gemv at most 8 rows a program,
+# dot 16 to 64) and vec 16 bytes (8 past 4 rows of x). Configs that spill registers when compiled for sm_90
+# (gemv with 256 columns a step, 2 rows a thread at 8 rows of x) are left out.
+CONFIGS = [
+    ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
+    ("gemv", dict(kernel="gemv"), (1, 8, 16)),
+    ("dot", dict(kernel="dot"), (1, 8, 16, 64)),
+    ("dot_s1", dict(kernel="dot", num_stages=1), (1, 8, 64)),  # no cp.async: lookups straight from L1
+    ("dot_k256_s1", dict(kernel="dot", block_k=256, num_stages=1), (1, 8, 64)),  # more bytes in flight a program
+    ("gemv_k128", dict(kernel="gemv", block_k=128), (1, 8)),  # more bytes in flight a program
+    ("gemv_n256", dict(kernel="gemv", block_n=256), (1,)),  # 2 rows a thread: each x converted for two
+    ("gemv_split1", dict(kernel="gemv", split_k=1), (1, 8)),
+    ("dot_split1", dict(kernel="dot", split_k=1), (8, 64)),
+    ("gemv_split4", dict(kernel="gemv", split_k=4), (1,)),  # auto: 4 programs an SM (16 splits of q at batch 1)
+    ("dot_split4", dict(kernel="dot", split_k=4), (8,)),
+    ("gemv_atomic", dict(kernel="gemv", reduce="atomic"), (1, 8)),  # + a memset and a cast a linear
+    ("dot_atomic", dict(kernel="dot", reduce="atomic"), (8, 64)),
+    ("dot_n128_w8", dict(kernel="dot", block_n=128, num_warps=8), (8, 64)),
+    ("dot_n128_s1", dict(kernel="dot", block_n=128, num_stages=1), (8,)),
+    ("dot_n32_s1", dict(kernel="dot", block_n=32, num_stages=1), (8, 64)),  # mma.sync instead of wgmma
+    ("dot_k256", dict(kernel="dot", block_k=256), (8, 64)),
+    ("dot_k64_s4", dict(kernel="dot", block_k=64, num_stages=4), (8, 64)),
+    ("gemv_n64_w2", dict(kernel="gemv", block_n=64, num_warps=2), (1, 8)),
+    ("gemv_n256_w8", dict(kernel="gemv", block_n=256, num_warps=8), (1,)),
+    ("gemv_vec8", dict(kernel="gemv", vec=8), (1,)),
+    ("gemv_m4", dict(kernel="gemv", block_m=4), (8,)),  # 2 programs a tile of W at batch 8, 16-byte vectors
+    ("gemv_select", dict(kernel="gemv", lookup="select"), (1,)),  # ~20 selects an element instead of a load
+    ("dot_select", dict(kernel="dot", lookup="select"), (8,)),
+    ("dot_s2", dict(kernel="dot", num_stages=2), (8,)),
+    ("dot_n16_w1", dict(kernel="dot", block_n=16, num_warps=1), (8,)),
+    ("dot_m16", dict(kernel="dot", block_m=16), (64,)),  # 4 programs a tile of W, each reading it
+    ("dot_m32", dict(kernel="dot", block_m=32), (64,)),
+]
 
 
-def build(layers: int):
+def build(layers: int, shapes: dict, device: str):
     import bitsandbytes.functional as bnbf
 
     weights = []
-    for _ in range(layers):
-        for name, (n, k) in SHAPES.items():
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    for layer in range(layers):
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
             packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True,
                                                quant_storage=torch.uint8)
 
             class P:  # what NF4Weight.from_bnb reads of a Params4bit
                 data, quant_state = packed, state
-            weights.append({"name": name, "dense": w, "packed": packed, "state": state,
-                            "nf4": nf4.NF4Weight.from_bnb(P)})
+            q = nf4.NF4Weight.from_bnb(P)
+            weights.append({"name": name, "dense": w, "packed": packed, "state": state, "nf4": q,
+                            "exact": q.dequantize() if layer == 0 else None})  # fp32: the reference
     return weights
 
 
-def methods(weights, cfg):
+def methods(configs) -> dict:
     import bitsandbytes as bnb
-    bn, bk, split, warps, stages, lookup = cfg
-    return {
-        "bnb": lambda x, w: bnb.matmul_4bit(x, w["packed"].t(), quant_state=w["state"]),
-        "fused": lambda x, w: nf4.matmul(x, w["nf4"], block_n=bn, block_k=bk, split_k=split, num_warps=warps,
-                                              num_stages=stages, lookup=lookup),
-        "bf16": lambda x, w: x @ w["dense"].t(),
-    }
+    out = {"bnb": lambda x, w: bnb.matmul_4bit(x, w["packed"].t(), quant_state=w["state"]),
+           "bf16": lambda x, w: x @ w["dense"].t()}
+    for name, kwargs, _ in configs:
+        out[name] = lambda x, w, kwargs=kwargs: nf4.matmul(x, w["nf4"], **kwargs)
+    return out
 
 
-def step_ms(fn, weights, batch: int, reps: int = 20) -> float:
-    """One decode step (every linear once, each fed an input of its width) replayed from a CUDA graph."""
-    xs = {k: torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
-    for w in weights:  # warm-up: Triton compiles, bitsandbytes allocates
-        fn(xs[w["nf4"].shape[1]], w)
+def errors(outs, xs, weights) -> float:
+    """Max over the first layer of max |out - x @ W^T| / max |x @ W^T|, W dequantised in fp32."""
+    worst = 0.0
+    for out, w in zip(outs, weights):
+        ref = xs[w["nf4"].shape[1]].float() @ w["exact"].t()
+        worst = max(worst, float((out.float() - ref).abs().max() / ref.abs().max()))
+    return worst
+
+
+def measure(fn, weights, batch: int, graph: bool, reps: int = 20) -> dict:
+    """ms of one decode step (every linear once, each fed an input of its width) and the first layer's errors."""
+    gen = torch.Generator(device=weights[0]["dense"].device).manual_seed(batch)
+    widths = {w["nf4"].shape[1] for w in weights}
+    xs = {k: torch.randn(batch, k, device=gen.device, dtype=torch.bfloat16, generator=gen) for k in sorted(widths)}
+    eager = [fn(xs[w["nf4"].shape[1]], w) for w in weights]  # also the warm-up: Triton compiles, bnb allocates
+    res = {"err_eager": errors(eager[:7], xs, weights)}
+    if not graph:  # --tiny: wall clock of eager calls (the interpreter: a smoke figure, not a speed)
+        start = time.perf_counter()
+        [fn(xs[w["nf4"].shape[1]], w) for w in weights]
+        return {**res, "ms": (time.perf_counter() - start) * 1e3}
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(xs[w["nf4"].shape[1]], w)
-    graph.replay()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fn(xs[w["nf4"].shape[1]], w) for w in weights]
+    g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        graph.replay()
+        g.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return {**res, "ms": start.elapsed_time(end) / reps, "err_graph": errors(outs[:7], xs, weights)}
 
 
-def check(weights, batch: int) -> dict:
-    """Max |error| of each method on the first layer against x @ dequantised(W)^T in fp32, relative to its max."""
-    out = {}
-    for w in weights[:7]:
-        x = torch.randn(batch, w["nf4"].shape[1], device="cuda", dtype=torch.bfloat16)
-        ref = x.float() @ w["nf4"].dequantize().t()
-        for cfg in (CONFIGS[0], CONFIGS[3]):
-            for name, fn in methods(weights, cfg).items():
-                if name != "bf16":
-                    err = float((fn(x, w).float() - ref).abs().max() / ref.abs().max())
-                    out[f"{name}_{w['name']}_{cfg[5]}_split{cfg[2]}"] = err
-    return out
+def run(a, weights, res: dict, graph: bool) -> None:
+    """Every method at its batches into res["steps"][batch][name], res written out after each (a crash keeps the
+    rows before it). A config that fails to compile or run is a row with its error, not the end of the run."""
+    t0, fns, path = time.time(), methods(CONFIGS), os.path.join(os.environ.get("OUT", "."), "nf4_decode.json")
+    todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
+    todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
+    for b, name in todo:
+        if name not in ("bnb", "bf16") and time.time() - t0 > a.budget_s:
+            res["skipped"].append(f"{name}@{b}")
+            continue
+        try:
+            row = measure(fns[name], weights, b, graph)
+            row["ok"] = name == "bf16" or max(row["err_eager"], row.get("err_graph", 0.0)) < 0.02
+            row["gb_per_s"] = res["int4_bytes"] / row["ms"] / 1e6  # NF4 bytes (+ absmax) over the step's time
+            print(f"batch {b:>3} {name:<14} {row['ms']:9.3f} ms  err {row['err_eager']:.4f}"
+                  f"{'' if row['ok'] else '  WRONG'}", flush=True)
+        except Exception as e:  # noqa: BLE001 -- recorded, and the other configs still run
+            row = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000]}
+            print(f"batch {b:>3} {name:<14} FAILED {row['error'][:200]}", flush=True)
+        res["steps"].setdefault(str(b), {})[name] = row
+        res["loop_s"] = time.time() - t0
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--budget-s", type=float, default=200.0, help="no config starts after this many seconds")
+    ap.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy shapes, one layer")
     a = ap.parse_args()
+    if a.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (nf4 imports it on first use)
+        a.layers = 1
     t0 = time.time()
-    weights = build(a.layers)
-    int4_bytes = sum(w["packed"].numel() + w["nf4"].absmax.numel() * 4 for w in weights)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers,
-           "int4_bytes": int4_bytes, "check_rel_err": check(weights, 8), "steps_ms": {}}
+    weights = build(a.layers, TINY if a.tiny else SHAPES, "cpu" if a.tiny else "cuda")
     import triton
-    res["triton"] = triton.__version__
-    for b in a.batches:
-        row = {"bnb": step_ms(methods(weights, CONFIGS[0])["bnb"], weights, b),
-               "bf16": step_ms(methods(weights, CONFIGS[0])["bf16"], weights, b)}
-        for cfg in CONFIGS:
-            row["fused_" + "x".join(map(str, cfg))] = step_ms(methods(weights, cfg)["fused"], weights, b)
-        res["steps_ms"][b] = row
-        print(b, {k: round(v, 3) for k, v in row.items()}, flush=True)
-    res["wall_s"] = time.time() - t0
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "nf4_decode.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    print(json.dumps(res["check_rel_err"], indent=1))
+    res = {"gpu": "cpu (interpreter)" if a.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "layers": a.layers, "tiny": a.tiny,
+           "int4_bytes": sum(w["packed"].numel() + w["nf4"].absmax.numel() * 4 for w in weights),
+           "defaults": {"GEMV_MAX_M": nf4.GEMV_MAX_M, "DEFAULTS": nf4.DEFAULTS, "SPLIT_TARGET": nf4.SPLIT_TARGET},
+           "configs": {name: {"kwargs": kwargs, "batches": list(batches)} for name, kwargs, batches in CONFIGS},
+           "steps": {}, "skipped": []}
+    run(a, weights, res, graph=not a.tiny)
+    for b, row in res["steps"].items():
+        right = sorted((v["ms"], k) for k, v in row.items() if k not in ("bnb", "bf16") and v["ok"])
+        best = f"best fused {right[0][1]} {right[0][0]:.3f} ms" if right else "no fused config right"
+        base = ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in ("bnb", "bf16") if "ms" in row.get(k, {}))
+        print(f"batch {b}: {base}, {best}")
+    print("skipped (budget):", res["skipped"] or "none", f"; wall {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

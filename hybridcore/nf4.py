@@ -1,17 +1,20 @@
 """A fused NF4 dequantise-and-multiply for small batches (the decode step of a 4-bit rollout).
 
-bitsandbytes' 4-bit path dequantises the whole weight to bf16 for every call and then multiplies, so a decode
-step at batch 8 reads each weight three times (4-bit in, bf16 out, bf16 in again). This kernel reads the packed
-4-bit weight once and multiplies as it goes: each program owns BLOCK_N output features, walks K in BLOCK_K
-chunks, looks the nibbles up in the 16-entry NF4 code, scales them by their block's absmax and accumulates
-x @ W^T in fp32. Even columns live in a byte's high nibble and odd columns in its low one (bitsandbytes'
-layout), so the kernel splits x into its even and odd columns instead of interleaving the weights.
+bitsandbytes' 4-bit path dequantises the whole weight to bf16 for every call and then multiplies, so a decode step
+at batch 8 reads each weight three times (4-bit in, bf16 out, bf16 in again), and a decode step is bound by the
+bytes it reads: these kernels read the packed weight once and multiply as they go. Two kernels, because the batch
+decides what runs out first: for a row or two the fp32 FMAs are few (`gemv`); beyond that they outgrow the
+dequantisation and the tensor cores take them (`dot`, the weight as the MMA's wide operand). K is split among
+programs because a step's narrow linears (k/v: 1024 rows) would leave most SMs idle, and the splits are added up
+inside the kernel because a zeroed buffer and a cast would be two more launches for each of a step's 224 linears.
+The switch-over batch (GEMV_MAX_M) and the default tiles are guesses until bench/nf4_decode.py has timed them on a
+GPU. K must be whole quantisation blocks (true of the usual hidden sizes), so that a block's absmax is one row's.
 
 Training keeps bitsandbytes' own path; this is for inference on weights that do not change inside a rollout.
 `NF4Weight.from_bnb` reads a bitsandbytes Params4bit (double quantisation resolved once to fp32 absmax);
-`dequantize` is the plain-torch reference the tests hold the kernel to. On a CPU the kernel runs under Triton's
+`dequantize` is the plain-torch reference the tests hold the kernels to. On a CPU the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1 set before triton is first imported: tests/hybridcore/nf4_worker.py runs in a
-process of its own for that), which is how CI tests it.
+process of its own for that), which is how CI tests them.
 """
 from __future__ import annotations
 
@@ -44,8 +47,8 @@ class NF4Weight:
         n, k = state.shape
         if k % 2:
             raise ValueError(f"NF4Weight: {k} input features, expected an even number (two columns a byte)")
-        return cls(weight.data.reshape(-1), absmax.float().contiguous(), state.code.float().contiguous(),
-                   (n, k), state.blocksize)
+        return cls(weight.data.reshape(-1).view(torch.uint8), absmax.float().contiguous(),
+                   state.code.float().contiguous(), (n, k), state.blocksize)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The whole [N, K] weight, in plain torch (the reference)."""
@@ -55,43 +58,113 @@ class NF4Weight:
         return (flat * scale).reshape(self.shape).to(dtype)
 
 
-def matmul(x: torch.Tensor, w: NF4Weight, block_n: int = 32, block_k: int = 128, split_k: int = 1,
-           num_warps: int = 4, num_stages: int = 2, lookup: str = "select") -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once. split_k > 1
-    has that many programs share each block of outputs along K (atomic fp32 adds: more programs for the few
-    outputs of a decode step). The tile sizes, split and Triton's warps and stages are bench/nf4_decode.py's to
-    tune. lookup: how a nibble becomes its NF4 level, "select" (a 4-level tl.where tree over the 16 levels held
-    in registers) or "table" (a load from the 16-entry code in memory per element)."""
+GEMV_MAX_M = 2  # batches up to this many rows take `gemv`, larger ones `dot` (a guess: see the module docstring)
+DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
+            "dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=3)}
+SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
+_COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
+
+
+def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: int | None = None,
+           block_k: int | None = None, block_m: int | None = None, vec: int | None = None,
+           split_k: int | str = "auto", reduce: str = "serial", num_warps: int | None = None,
+           num_stages: int | None = None, lookup: str = "table") -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
+
+    kernel: "gemv", "dot", or None (by the batch: GEMV_MAX_M); unset tiles, warps and stages come from DEFAULTS.
+    block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
+    64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
+    takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
+    a tile's K, or "auto". reduce: how the splits meet, "serial" (the last to finish adds them up, in the kernel)
+    or "atomic" (fp32 atomic adds into a zeroed buffer, then a cast: two more launches). lookup: "table" (a load
+    from the 16-entry code) or "select" (a tree of selects). dot rounds the levels to x's dtype for the MMA (fp32 x:
+    full-precision FMAs, slow). Splitting keeps counters on the device, one per output tile: calls that split K
+    must not run concurrently on two streams."""
     import triton
 
     n, k = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"nf4.matmul: x has {x.shape[-1]} features, the weight takes {k}")
-    if lookup not in ("select", "table"):
-        raise ValueError(f"nf4.matmul: lookup {lookup!r}, expected 'select' or 'table'")
-    if block_k % 32 or w.blocksize % 2 or n * k >= 2 ** 31:
-        raise ValueError("nf4.matmul: block_k must be a multiple of 32, the quantisation block even and the "
-                         "weight under 2**31 elements")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    chunks = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, chunks))
-    per_split = triton.cdiv(chunks, split_k) * block_k  # columns each split walks
-    acc_dtype = x.dtype if split_k == 1 else torch.float32
-    y = (torch.empty if split_k == 1 else torch.zeros)((m, n), dtype=acc_dtype, device=x.device)
-    block_m = 16  # tl.dot's smallest tile; rows past m are masked
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
-    _kernel()[grid](x2, w.packed, w.absmax, w.code, y, m, n, k, x2.stride(0), y.stride(0), per_split,
-                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=w.blocksize, ATOMIC=split_k > 1,
-                    SELECT=lookup == "select",
-                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
-                    num_stages=num_stages)
-    return (y if split_k == 1 else y.to(x.dtype)).reshape(*lead, n)
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
+    given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
+    bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))
+    cfg.update(block_m=bm, vec=vec or (16 if bm <= 4 else 8), split_k=split_k, reduce=reduce, lookup=lookup)
+    _check(x, w, kernel, cfg)
+    lead, x2, bn, bk = x.shape[:-1], x.reshape(-1, k).contiguous(), cfg["block_n"], cfg["block_k"]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    tiles, chunks = triton.cdiv(n, bn) * triton.cdiv(m, bm), triton.cdiv(k, bk)
+    split = triton.cdiv(SPLIT_TARGET * _sms(x.device), tiles) if split_k == "auto" else split_k
+    per = triton.cdiv(chunks, max(1, min(split, chunks)))  # chunks of BLOCK_K a split walks; no split left empty
+    split = triton.cdiv(chunks, per)
+    mode = 0 if split == 1 else 1 if reduce == "atomic" else 2
+    y = (torch.zeros if mode == 1 else torch.empty)((m, n), dtype=torch.float32 if mode == 1 else x.dtype,
+                                                    device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if mode == 2 else y
+    count = _counters(x.device, tiles) if mode == 2 else y
+    fn = _kernel(kernel)
+    upcast = type(fn).__name__ == "InterpretedFunction"  # see nf4_dot's UPCAST
+    extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
+        "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+    fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
+        x2, w.packed, w.absmax, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2, per * bk // 2,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, REDUCE=mode, SELECT=lookup == "select",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+    return y.to(x.dtype).reshape(*lead, n)
+
+
+def _check(x, w, kernel, cfg) -> None:
+    """The ValueErrors of matmul: everything the kernels assume about shapes, tiles and options."""
+    n, k = w.shape
+    pow2 = lambda v, low: isinstance(v, int) and v >= low and v & (v - 1) == 0  # noqa: E731
+    least = 16 if kernel == "dot" else 1  # tl.dot's smallest side
+    problems = [
+        (x.shape[-1] != k, f"x has {x.shape[-1]} features, the weight takes {k}"),
+        (x.dtype not in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}, expected a float dtype"),
+        (kernel not in ("gemv", "dot"), f"kernel {kernel!r}, expected 'gemv', 'dot' or None"),
+        (cfg["lookup"] not in ("select", "table"), f"lookup {cfg['lookup']!r}, expected 'select' or 'table'"),
+        (cfg["reduce"] not in ("serial", "atomic"), f"reduce {cfg['reduce']!r}, expected 'serial' or 'atomic'"),
+        (not pow2(w.blocksize, 32) or w.blocksize > 256,
+         f"quantisation block {w.blocksize}, expected a power of two from 32 to 256"),
+        (k % w.blocksize != 0, f"{k} input features are not whole quantisation blocks of {w.blocksize}"),
+        (not isinstance(cfg.get("block_k"), int) or cfg["block_k"] <= 0 or cfg["block_k"] % w.blocksize != 0,
+         f"block_k {cfg.get('block_k')} is not a multiple of the quantisation block {w.blocksize}"),
+        (not pow2(cfg.get("block_n"), least), f"block_n {cfg.get('block_n')}, expected a power of two >= {least}"),
+        (not pow2(cfg["block_m"], least), f"block_m {cfg['block_m']}, expected a power of two >= {least}"),
+        (not pow2(cfg["vec"], 4) or cfg["vec"] > min(16, w.blocksize // 2),
+         f"vec {cfg['vec']}, expected a power of two from 4 to 16 (at most half the quantisation block)"),
+        (cfg["split_k"] != "auto" and not (isinstance(cfg["split_k"], int) and cfg["split_k"] >= 1),
+         f"split_k {cfg['split_k']!r}, expected a positive int or 'auto'"),
+        (n * k >= 2 ** 31, f"weight of {n * k} elements: 2**31 or more overflow the kernels' int32 offsets"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ValueError(f"nf4.matmul: {message}")
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
 
 
 @functools.cache
-def _kernel():
+def _sms(device: torch.device) -> int:
+    """SMs of the device (split_k="auto"); 1 where there is no CUDA device (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """The in-kernel reduction's per-tile counters: zeroed once, left at zero by every kernel that uses them."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < size:
+        if have is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("nf4.matmul: more split-K tiles than ever before while capturing a CUDA graph; "
+                               "call it once outside the capture first")
+        have = _COUNTERS[device] = torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device)
+    return have
+
+
+@functools.cache
+def _kernel(name: str):
     """Imported on first use, so TRITON_INTERPRET can be set by then (and triton is imported only when needed)."""
-    from hybridcore.nf4_kernels import nf4_matmul
-    return nf4_matmul
+    from hybridcore import nf4_kernels
+    return nf4_kernels.nf4_gemv if name == "gemv" else nf4_kernels.nf4_dot

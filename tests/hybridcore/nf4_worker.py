@@ -1,55 +1,95 @@
-"""Runs the fused NF4 kernel's cases under Triton's interpreter in a process of its own (TRITON_INTERPRET must be
-set before anything imports triton, and in the test session torch.compile imports it first); prints JSON for
-tests/hybridcore/test_nf4.py to judge."""
+"""Runs the fused NF4 kernels' cases under Triton's interpreter in a process of its own (TRITON_INTERPRET must be set
+before anything imports triton, and in the test session torch.compile imports it first); prints JSON for
+tests/hybridcore/test_nf4.py to judge. Importing this module (the test does, for CASES) imports neither triton nor
+bitsandbytes and sets nothing: main() does."""
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import bitsandbytes.functional as bnbf  # noqa: E402
-import torch  # noqa: E402
+from bench.nf4_decode import CONFIGS  # noqa: E402  (torch and hybridcore.nf4 only; triton on first kernel use)
 
-from hybridcore import nf4  # noqa: E402
+N, K = 37, 192  # odd N: partial tiles of every block_n; K: 3 quantisation blocks, not a multiple of 128 or 256
+BATCHES = (1, 3, 8, 16, 64)
+SPEED_ONLY = ("num_warps", "num_stages")  # no effect under the interpreter
 
-MATMULS = [(1, 64, 256, 1), (5, 80, 192, 1), (17, 96, 320, 1), (3, 64, 448, 2), (2, 48, 576, 3)]
+
+def _distinct() -> dict:
+    """bench/nf4_decode.py's configs, one per distinct set of arguments the interpreter can tell apart: name ->
+    (arguments, the largest batch the bench times it at)."""
+    seen = {}
+    for name, kwargs, batches in CONFIGS:
+        key = tuple(sorted((k, v) for k, v in kwargs.items() if k not in SPEED_ONLY))
+        seen.setdefault(key, (name, ({k: v for k, v in kwargs.items() if k not in SPEED_ONLY}, max(batches))))
+    return dict(seen.values())
 
 
-class Packed:
-    """What NF4Weight.from_bnb reads of a Params4bit: the packed bytes and their quant_state."""
-
-    def __init__(self, w: torch.Tensor, nested: bool):
-        self.data, self.quant_state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
-                                                         compress_statistics=nested)
+KERNEL_CONFIGS = {name: kwargs for name, (kwargs, _) in _distinct().items()}
+# every config at every batch up to the largest it is timed at (gemv's 16 rows take two programs of 8); x's dtype
+# alternates so that each config and each batch sees fp32 and bf16
+CASES = [(name, m, "bfloat16" if (i + j) % 2 else "float32")
+         for i, (name, (_, top)) in enumerate(_distinct().items()) for j, m in enumerate(BATCHES) if m <= top]
 
 
 def weight(n: int, k: int, seed: int, nested: bool = True):
-    g = torch.Generator().manual_seed(seed)
-    packed = Packed(torch.randn(n, k, generator=g) * 0.05, nested)
-    return nf4.NF4Weight.from_bnb(packed), bnbf.dequantize_4bit(packed.data, packed.quant_state)
+    """Random NF4 weight as bitsandbytes quantises it: (NF4Weight, bitsandbytes' own fp32 dequantisation)."""
+    import bitsandbytes.functional as bnbf
+    import torch
+    from hybridcore import nf4
+
+    class Packed:  # what NF4Weight.from_bnb reads of a Params4bit
+        data, quant_state = bnbf.quantize_4bit(
+            torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, blocksize=64, quant_type="nf4",
+            compress_statistics=nested)
+    return nf4.NF4Weight.from_bnb(Packed), bnbf.dequantize_4bit(Packed.data, Packed.quant_state)
+
+
+def errors_of_bad_calls(nf4, torch) -> dict:
+    """The ValueError message of each call matmul must refuse."""
+    w, _ = weight(64, 128, seed=3)
+    odd_k = nf4.NF4Weight(w.packed[: 64 * 48], w.absmax, w.code, (64, 96), 64)
+    x = torch.randn(2, 128)
+    calls = {"features": lambda: nf4.matmul(torch.randn(2, 64), w),
+             "whole_blocks": lambda: nf4.matmul(x[:, :96], odd_k),
+             "block_k": lambda: nf4.matmul(x, w, block_k=96), "kernel": lambda: nf4.matmul(x, w, kernel="mma"),
+             "dot_block_n": lambda: nf4.matmul(x, w, kernel="dot", block_n=8),
+             "reduce": lambda: nf4.matmul(x, w, split_k=2, reduce="tree"),
+             "lookup": lambda: nf4.matmul(x, w, lookup="gather"), "split_k": lambda: nf4.matmul(x, w, split_k=0),
+             "dtype": lambda: nf4.matmul(x.to(torch.int32), w), "vec": lambda: nf4.matmul(x, w, kernel="gemv", vec=32)}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ""
+        except ValueError as e:
+            out[name] = str(e)
+    return out
 
 
 def main() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hybridcore import nf4
+
     out = {"dequant_equal": {}, "matmul_err": {}}
     for nested in (True, False):
         w, want = weight(96, 192, seed=0, nested=nested)
         out["dequant_equal"][str(nested)] = bool(torch.equal(w.dequantize(), want))
-    for m, n, k, split in MATMULS:
-        w, whole = weight(n, k, seed=m)
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
-        for lookup in ("select", "table"):
-            got = nf4.matmul(x, w, split_k=split, lookup=lookup)
-            ok = got.shape == (m, n) and got.dtype == x.dtype
-            out["matmul_err"][f"{m}-{n}-{k}-{split}-{lookup}"] = float((got - x @ whole.T).abs().max()) if ok else -1
+    w, want = weight(N, K, seed=1)
+    out["dequant_equal"]["cases"] = bool(torch.equal(w.dequantize(), want))
+    exact = w.dequantize()
+    for name, m, dtype in CASES:
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(100 + m)).to(getattr(torch, dtype))
+        got, ref = nf4.matmul(x, w, **KERNEL_CONFIGS[name]), x.float() @ exact.T
+        ok = got.shape == (m, N) and got.dtype == x.dtype
+        err = float((got.float() - ref).abs().max() / ref.abs().max())
+        out["matmul_err"][f"{name}-{m}-{dtype}"] = err if ok else -1
+    out["counters_zero"] = all(int(c.abs().sum()) == 0 for c in nf4._COUNTERS.values()) and bool(nf4._COUNTERS)
     w, whole = weight(64, 128, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))
     out["leading_err"] = float((nf4.matmul(x, w) - x @ whole.T).abs().max())
-    try:
-        nf4.matmul(torch.randn(2, 64), w)
-        out["bad_shape"] = ""
-    except ValueError as e:
-        out["bad_shape"] = str(e)
+    out["bad_calls"] = errors_of_bad_calls(nf4, torch)
     print(json.dumps(out))
 
 
