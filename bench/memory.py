@@ -514,6 +514,8 @@ def main() -> int:
     ap.add_argument("--estimator", choices=("gae", "grpo"), default="gae",
                     help="gae: actor, critic and reward model; grpo: the actor alone, 1 prompt x 8, a Python reward")
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--trace", action="store_true",
+                    help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
     if a.estimator == "grpo" and a.rm == "cpu":
         ap.error("--rm cpu: --estimator grpo builds no reward model")
@@ -551,7 +553,14 @@ def main() -> int:
     save(res, a.out)
     print(f"warm-up: {warm.get('peak_gib')} GiB, {warm['wall_s']:.1f} s {warm.get('oom', '')}{warm.get('error', '')}",
           flush=True)
+    if a.trace and cuda:
+        from bench import mem_trace
+        mem_trace.start()
     default = run_row(b, "default", {}, res)
+    if a.trace and cuda:
+        res["trace"] = mem_trace.at_peak(torch.cuda.memory._snapshot())
+        mem_trace.stop()
+        print(json.dumps(res["trace"], indent=1), flush=True)
     out_of_memory = "oom" in default or "out of memory" in default.get("error", "")
     if out_of_memory and a.rm == "gpu" and cuda and b.rm is not None:
         res["default_rm_resident"] = default  # the pipeline's layout does not fit: RM on the CPU between scorings

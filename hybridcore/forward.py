@@ -1,8 +1,9 @@
 """Forward passes shared by the stages, in micro-batches, on the `Batch` layout.
 
 Response log-probs, entropies and token losses never hold a micro-batch's whole [B, R, vocab] float32
-logits: the LM head runs over `chunk_tokens` response positions at a time, and under autograd (when there
-is more than one chunk) each chunk is recomputed in backward, so only hidden states are kept between them.
+logits: the LM head runs over `chunk_tokens` response positions at a time (by default as many as make
+CHUNK_BYTES of float32 logits: 261 positions at Llama-3's 128,256-token vocabulary), and under autograd (when
+there is more than one chunk) each chunk is recomputed in backward, so only hidden states are kept between them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from torch.utils.checkpoint import checkpoint
 from hybridcore.batch import Batch, micro_batches
 from hybridcore.rl import entropy_from_logits, token_logprobs
 
-CHUNK_TOKENS = 1024  # response positions per LM-head chunk: peak float32 logits = CHUNK_TOKENS x vocab x 4 bytes
+CHUNK_BYTES = 128 * 2 ** 20  # float32 logits of one LM-head chunk; its backward holds a few times this
+
+
+def chunk_tokens_for(vocab: int) -> int:
+    """Response positions per LM-head chunk: CHUNK_BYTES of float32 logits (at least one position)."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
 
 
 def response_logits(model, batch: Batch) -> torch.Tensor:
@@ -33,10 +39,12 @@ def _plain_head(model) -> bool:
             and model.get_output_embeddings() is not None)
 
 
-def _head_over_chunks(model, batch: Batch, fn, chunk_tokens: int) -> tuple[torch.Tensor, ...]:
+def _head_over_chunks(model, batch: Batch, fn, chunk_tokens: int | None) -> tuple[torch.Tensor, ...]:
     """fn(logits[n, V], labels[n]) -> tuple of [n] tensors, over every response position in chunks; the
     results reshaped to [B, R]."""
     B, R = batch.response_mask.shape
+    if chunk_tokens is None:
+        chunk_tokens = chunk_tokens_for(model.get_output_embeddings().weight.shape[0])
     labels = batch.responses.reshape(-1)
     if not _plain_head(model):  # the model's own forward applies what follows its head; not chunked
         logits = response_logits(model, batch)
@@ -67,22 +75,30 @@ def _logp_entropy(logits, labels):
     return _logp(logits, labels)[0], entropy_from_logits(logits)
 
 
+def _logp_entropy_logged(logits, labels):
+    """The entropy as a statistic only: no graph, so a chunk's backward keeps nothing of it."""
+    with torch.no_grad():
+        ent = entropy_from_logits(logits)
+    return _logp(logits, labels)[0], ent
+
+
 def _nll_hit(logits, labels):
     logits = logits.float()
     return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(-1) == labels)
 
 
-def response_logprobs(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+def response_logprobs(model, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(response token) under `model`, float32, [B, R]."""
     return _head_over_chunks(model, batch, _logp, chunk_tokens)[0]
 
 
-def response_logprobs_entropy(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS):
-    """(log p(response token), entropy of the next-token distribution), both float32 [B, R]."""
-    return _head_over_chunks(model, batch, _logp_entropy, chunk_tokens)
+def response_logprobs_entropy(model, batch: Batch, chunk_tokens: int | None = None, entropy_grad: bool = True):
+    """(log p(response token), entropy of the next-token distribution), both float32 [B, R]. entropy_grad=False:
+    the entropy is only logged (no entropy bonus), computed without autograd."""
+    return _head_over_chunks(model, batch, _logp_entropy if entropy_grad else _logp_entropy_logged, chunk_tokens)
 
 
-def response_nll(model, batch: Batch, chunk_tokens: int = CHUNK_TOKENS):
+def response_nll(model, batch: Batch, chunk_tokens: int | None = None):
     """(cross-entropy of each response token, float32 [B, R]; whether argmax hit it, bool [B, R])."""
     return _head_over_chunks(model, batch, _nll_hit, chunk_tokens)
 

@@ -285,7 +285,8 @@ class PpoStep:
         share = mask.sum() / n_tok  # of the minibatch's tokens
         weight = LOSS_WEIGHT[agg](mask, n_tok, cfg.minibatch_size)
         with m.use("actor"):  # backward inside too: checkpointed layers recompute with this adapter
-            logp, ent = engine.forward(response_logprobs_entropy, m.policy, sub)  # ZeRO-3: see forward
+            logp, ent = engine.forward(response_logprobs_entropy, m.policy, sub,  # ZeRO-3: see forward
+                                       entropy_grad=cfg.entropy_coef != 0)  # else logged only: no graph kept
             pl, clipfrac, approx_kl = rl.policy_loss(logp, exp["old_logp"][idx], exp["advantages"][idx], mask,
                                                      cfg.clip_range, agg)
             entropy = rl.masked_mean(ent, mask)

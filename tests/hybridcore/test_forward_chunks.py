@@ -79,3 +79,27 @@ def test_no_chunk_exceeds_chunk_tokens(setup):
         model.zero_grad(set_to_none=True)
     B, R = batch.response_mask.shape
     assert max(sizes) == 6 and sum(sizes) == 2 * B * R  # every position once in forward, once recomputed
+
+
+def test_entropy_only_logged_keeps_no_graph_and_the_same_gradients(setup):
+    """entropy_grad=False (no entropy bonus): the same values, the entropy without autograd, and the log-probs'
+    gradients those of the whole logits."""
+    model, batch = setup
+    m = batch.response_mask.float()
+    logp, ent = response_logprobs_entropy(model, batch, chunk_tokens=5, entropy_grad=False)
+    assert not ent.requires_grad and logp.requires_grad
+    (logp * m).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want_logp, want_ent = whole(model, batch)[:2]
+    (want_logp * m).sum().backward()
+    for n, p in model.named_parameters():
+        assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    model.zero_grad(set_to_none=True)
+    assert_close(ent, want_ent.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_default_chunk_holds_chunk_bytes_of_float32_logits():
+    from hybridcore.forward import CHUNK_BYTES, chunk_tokens_for
+    assert chunk_tokens_for(128256) == 261 and 261 * 128256 * 4 <= CHUNK_BYTES < 262 * 128256 * 4
+    assert chunk_tokens_for(384) * 384 * 4 <= CHUNK_BYTES and chunk_tokens_for(10 ** 9) == 1
