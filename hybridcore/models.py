@@ -306,15 +306,65 @@ def set_activation_checkpointing(model, on: bool) -> None:
 def resident(model, device, home=None):
     """`model`'s weights on `device` inside the block and back on `home` after it. A frozen role used once per PPO
     step (the reward model scoring a rollout) then holds no GPU memory through the rollout and the updates, at
-    the price of a host <-> device copy each way (4-bit weights move as they are). home=None: no move."""
+    the price of one host -> device copy (4-bit weights move as they are). A frozen model moves through
+    HostWeights (pinned once, nothing copied back); a model with trained parameters with .to() both ways.
+    home=None: no move."""
     if home is None or torch.device(home) == torch.device(device):
         yield model
         return
-    model.to(device)
+    host = HostWeights.of(model)
+    if host is None:
+        model.to(device)
+        try:
+            yield model
+        finally:
+            model.to(home)
+        return
+    host.to(device)
     try:
         yield model
     finally:
-        model.to(home)
+        host.back()
+
+
+class HostWeights:
+    """A frozen model's weights kept in host memory, pinned once (on a CUDA machine), and lent to a device: each
+    tensor is copied into a fresh device tensor asynchronously (pinned memory lets the copy run without a staging
+    buffer), and on the way back the parameters simply point at their host tensors again, since nothing changed
+    them. bitsandbytes 4-bit weights move their quantisation state along. None for a model that trains any
+    parameter or holds 8-bit weights (their state lives on the module): those move with .to()."""
+
+    def __init__(self, model):
+        every = (t for m in model.modules() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        self.tensors = list({id(t): t for t in every}.values())  # a tied weight once
+        pin = torch.cuda.is_available()
+        self.host = []
+        for t in self.tensors:
+            if pin and not t.data.is_pinned():
+                t.data = t.data.pin_memory()
+            self.host.append(t.data)
+        self.states = [t.quant_state for t in self.tensors if getattr(t, "quant_state", None) is not None]
+
+    @classmethod
+    def of(cls, model) -> "HostWeights | None":
+        if any(p.requires_grad for p in model.parameters()) or any(
+                type(p).__name__ == "Int8Params" for p in model.parameters()):
+            return None
+        if getattr(model, "_host_weights", None) is None:
+            model._host_weights = cls(model)
+        return model._host_weights
+
+    def to(self, device) -> None:
+        for t, host in zip(self.tensors, self.host):
+            t.data = torch.empty_like(host, device=device).copy_(host, non_blocking=True)
+        for state in self.states:
+            state.to(device)
+
+    def back(self) -> None:
+        for t, host in zip(self.tensors, self.host):
+            t.data = host
+        for state in self.states:
+            state.to(self.host[0].device)
 
 
 def save_model(model, tokenizer, out_dir: Path, state_dict: dict | None = None) -> None:
