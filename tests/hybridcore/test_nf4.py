@@ -2,13 +2,11 @@
 equal to bitsandbytes' dequantisation) followed by a plain fp32 matmul, on random NF4 weights: every configuration
 bench/nf4_decode.py times, at batches 1 to 64. The kernels run in a process of their own (nf4_worker.py):
 TRITON_INTERPRET only takes effect when set before triton is first imported."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.hybridcore.interpreted import run_interpreted
 
 from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS
 
@@ -17,10 +15,7 @@ WORKER = Path(__file__).with_name("nf4_worker.py")
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(WORKER)
 
 
 @pytest.mark.parametrize("which", ["True", "False", "cases"])

@@ -1,13 +1,11 @@
 """The native rollout of a 4-bit + LoRA model with its decode linears through the fused NF4 kernel
 (hybridcore/fused_decode.py) against bitsandbytes' own path, under Triton's interpreter (nf4_rollout_worker.py,
 a process of its own: TRITON_INTERPRET only takes effect before triton is first imported)."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.hybridcore.interpreted import run_interpreted
 
 WORKER = Path(__file__).with_name("nf4_rollout_worker.py")
 DECODE_STEPS, NEW_TOKENS, PROMPTS = 5, 6, 3
@@ -15,10 +13,7 @@ DECODE_STEPS, NEW_TOKENS, PROMPTS = 5, 6, 3
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(WORKER)
 
 
 def test_fused_greedy_tokens_equal_the_bitsandbytes_rollout(results):
