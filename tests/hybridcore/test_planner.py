@@ -201,3 +201,23 @@ def test_every_stage_runs_with_a_budget(tmp_path, capsys):
     assert "ppo: memory planner rolls out 16 of 16 sequences at a time" in err
     # the rollout sampled from the weights the update then scored: the same log-probs, to fp32 rounding
     assert 0 <= results["ppo"].metrics["rollout_logprob_gap_last"] < 1e-4
+
+
+def test_ppo_rolls_out_in_configured_chunks(tmp_path):
+    """engine.rollout.chunk_size 4: the 16-sequence rollout goes as 4 chunks of 4 rows, every iteration."""
+    class Sink:
+        def __init__(self):
+            self.rows = []
+
+        def log(self, metrics, step):
+            self.rows.append((step, dict(metrics)))
+
+    p = load_params("test", {"pipeline": {"artifacts_dir": str(tmp_path)}, "engine": {"rollout": {"chunk_size": 4}}})
+    keys = stage_keys(p)
+    for stage in ("sft", "reward"):
+        run_stage(p, stage, keys)
+    sink = Sink()
+    run_stage(p, "ppo", keys, sink)
+    steps = [m for _, m in sink.rows if "rollout_chunks" in m]
+    assert len(steps) == p.ppo.iterations
+    assert all(m["rollout_chunks"] == 4 and m["rollout_chunk_rows"] == 4 for m in steps)
