@@ -158,6 +158,11 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
     return (choice if idx is None else idx.gather(1, choice)).squeeze(1)
 
 
+# prompt tokens over the whole batch per prefill chunk: at the Llama-3-8B shape one chunk's MLP activations are
+# ~0.35 GiB; bench/memory.py's rollout phase (8 x 1,024 prompt tokens prefilled at once) held 1.8 GiB beside the
+# whole KV cache (RESULTS 2026-12-06 01:33; put down to the prefill by arithmetic, not yet by a trace)
+PREFILL_TOKENS = 4096
+
 _capture_streams: dict = {}
 
 
@@ -248,12 +253,15 @@ class NativeRollout:
     name = "native"
 
     def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
-                 capacity_multiple: int = 64, compile: bool | None = None):
+                 capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS):
         """cuda_graph: None = on for CUDA models. compile: run the decode step through torch.compile; None = on
         where the step is a CUDA graph (falling back to the plain step, with a warning, if compiling fails).
         It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
-        later rollouts of the same shape only re-capture the graph."""
+        later rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in
+        chunks of about this many tokens over the batch, so its activations stay small beside the KV cache, which
+        is allocated whole before the prefill."""
         self.model = model
+        self.prefill_tokens = prefill_tokens
         self.cuda_graph, self.compile = cuda_graph, compile
         self.stop_check_every = stop_check_every
         self.capacity_multiple = capacity_multiple
@@ -315,9 +323,13 @@ class NativeRollout:
         clock = _Clock(ids.device)
         d = self._decoder_for(B, P + max_new_tokens, ids.device)
         d.mask[:, :P] = mask.bool()
-        d.cache.index = torch.arange(P, device=ids.device)
-        logits = self.model(input_ids=ids, attention_mask=prefill_mask(mask), position_ids=position_ids(mask),
-                            past_key_values=d.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        allowed, positions, chunk = prefill_mask(mask), position_ids(mask), max(1, self.prefill_tokens // B)
+        for s in range(0, P, chunk):  # each chunk attends to the cache columns written so far and its own
+            e = min(P, s + chunk)
+            d.cache.index = torch.arange(s, e, device=ids.device)
+            logits = self.model(input_ids=ids[:, s:e], attention_mask=allowed[:, :, s:e, :e],
+                                position_ids=positions[:, s:e], past_key_values=d.cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
         d.column.fill_(P)
         d.positions.copy_(mask.sum(1, keepdim=True))
         clock.mark()

@@ -231,6 +231,14 @@ def test_chunked_rollout_equals_one_batch_and_keeps_one_cache(tok, prompts, eos_
     assert actor.last_stats["chunks"] == -(-n // chunk) and cache_rows == actor.last_stats["chunk_rows"] <= chunk
 
 
+@pytest.mark.parametrize("prefill_tokens", [1, 8 * 7, 4096])
+def test_chunked_prefill_equals_one_pass(tok, prompts, eos_model, alone, prefill_tokens):
+    """The prompt prefilled in chunks (1 token a row, 7 tokens a row, whole): the same greedy responses."""
+    actor = HybridActor(eos_model, tok, backend_options={"prefill_tokens": prefill_tokens})
+    with actor.rollout():
+        assert actor.generate(prompts, MAX_NEW, greedy=True) == alone
+
+
 def test_rollout_logprobs_are_the_training_logprobs_of_the_sampled_tokens(tok, prompts, eos_model):
     """The native rollout keeps each sampled token's log-prob under the model's own softmax (not the temperature's):
     the training forward gives the same numbers for the same tokens (fp32 micro model: to rounding)."""
