@@ -2,9 +2,11 @@
 that only reads its results (artifacts, summary, MLflow store) shares that run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,44 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | N
     env.pop("PREFECT_HOME", None)  # the CLI puts it under cwd
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# For runs that overlap others: one thread each, so that N single-threaded runs share the cores instead of
+# 2N OpenMP threads spinning against each other (on a busy 2-core machine that costs several times the run).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class Started:
+    """`hybrid-rlhf ARGS` started in the background, in its own process group, its output going to files in `cwd`
+    (NAME.stdout, NAME.stderr): start independent runs together, then result() each. stop() kills the group by its
+    id if it is still running (a fixture's teardown calls it, so a failed test leaves nothing behind)."""
+
+    def __init__(self, args: list[str], cwd: Path, name: str, extra_env: dict | None = None):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(extra_env or {})}
+        env.pop("PREFECT_HOME", None)  # the CLI puts it under cwd
+        self.files = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
+        with open(self.files[0], "w") as out, open(self.files[1], "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, stdout=out,
+                                         stderr=err, start_new_session=True)
+        self.t0 = time.time()
+        self.seconds: float | None = None
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=max(1.0, timeout - (time.time() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        if self.seconds is None:
+            self.seconds = time.time() - self.t0
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.files[0].read_text(),
+                                           self.files[1].read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 @dataclass
