@@ -33,6 +33,7 @@ def test_served_deployment_runs_with_override(tiny_run, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_HOME", None)
     env.pop("PREFECT_API_URL", None)
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # serve picks the run up within a second (Prefect's default: 10 s)
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port)], cwd=tmp_path,
                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -65,13 +66,14 @@ def test_served_deployment_runs_with_override(tiny_run, tmp_path):
         assert "overrides.ppo.kl_coef" in bad.stdout + bad.stderr
         assert len(_api(url, "/flow_runs/filter", {})) == 1  # nothing was created for the bad override
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
+        os.kill(serve.pid, signal.SIGTERM)  # serve alone: it pauses its deployments, then stops its own server
         try:
             serve.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
         log.close()
+    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
     deadline = time.time() + 20
     while _servers_of(tmp_path / ".prefect") and time.time() < deadline:
         time.sleep(0.5)
