@@ -19,7 +19,7 @@ CHUNK_BYTES = 128 * 2 ** 20  # float32 logits of one LM-head chunk; its backward
 
 def chunk_tokens_for(vocab: int) -> int:
     """Response positions per LM-head chunk: CHUNK_BYTES of float32 logits (at least one position)."""
-    return max(1, CHUNK_BYTES // (4 * vocab))
+    return max(1, CHUNK_BYTES // (4 * max(1, vocab)))
 
 
 def response_logits(model, batch: Batch) -> torch.Tensor:
@@ -44,7 +44,8 @@ def _head_over_chunks(model, batch: Batch, fn, chunk_tokens: int | None) -> tupl
     results reshaped to [B, R]."""
     B, R = batch.response_mask.shape
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()  # out_features: ZeRO-3 leaves the weight itself an empty partition
+        chunk_tokens = chunk_tokens_for(getattr(head, "out_features", None) or head.weight.shape[0])
     labels = batch.responses.reshape(-1)
     if not _plain_head(model):  # the model's own forward applies what follows its head; not chunked
         logits = response_logits(model, batch)
