@@ -13,7 +13,8 @@ to the reference (the base, adapters off) in the loss at --beta 0.04 (k3), token
 the group's std, the same python reward, AdamW at a constant 1e-6, gradients clipped at 1.0. Where the sides
 differ by their own design (kept: that is what is measured): TRL generates with HF generate's dynamic cache, ours
 with the native static cache and a CUDA graph; TRL casts the LoRA weights to bf16 and trains under bf16 autocast,
-ours keeps peft's fp32 adapters; with one pass TRL skips the old-policy log-prob forward (the detached current
+ours keeps them float32 (weights, gradients, AdamW states) and computes them under bf16 autocast in every forward
+but the decode steps (hybridcore/adapters.py mixed_precision); with one pass TRL skips the old-policy log-prob forward (the detached current
 log-probs stand in), ours computes it in PpoStep.experience.
 
 Each side runs in its own process so that each peak is its own. Per step: seconds (on_step_begin -> on_step_end

@@ -441,7 +441,7 @@ def markdown(res: dict) -> str:
     title = "GRPO (no critic, no reward model)" if estimator == "grpo" else "PPO"
     lines = [f"# {title} memory, {res['shape']} ({res.get('gpu', {}).get('name', 'CPU')})", ""]
     d = res.get("default")
-    if d and "phases" in d:
+    if d and "phases" in d and "step_s" in d:  # a row that failed mid-step has phases but no step time
         tok = res["workload"]["tokens_per_step"]
         lines += [f"Default row: peak **{gib(d.get('peak_gib'))} GiB** (target {res.get('target_gib')} GiB: "
                   f"{'met' if d.get('target_met') else 'NOT met'}), {d['step_s']:.1f} s/step, "

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hybridcore.adapters import mixed_precision
 from hybridcore.batch import Batch, micro_batches
 from hybridcore.rl import entropy_from_logits, token_logprobs
 
@@ -26,8 +27,9 @@ def response_logits(model, batch: Batch) -> torch.Tensor:
     """Logits that predict each response token ([B, R, V]); prompt positions' logits are never computed.
     The whole micro-batch's logits at once: for callers that need them all (tests, small vocabularies)."""
     R = batch.response_mask.shape[1]
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                logits_to_keep=R + 1, use_cache=False)
+    with mixed_precision(model):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    logits_to_keep=R + 1, use_cache=False)
     return out.logits[:, :-1]
 
 
@@ -50,8 +52,9 @@ def _head_over_chunks(model, batch: Batch, fn, chunk_tokens: int | None) -> tupl
     if not _plain_head(model):  # the model's own forward applies what follows its head; not chunked
         logits = response_logits(model, batch)
         return tuple(t.view(B, R) for t in fn(logits.reshape(B * R, -1), labels))
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    with mixed_precision(model):
+        hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  position_ids=batch.position_ids, use_cache=False).last_hidden_state
     hidden = hidden[:, batch.prompt_len - 1:-1].reshape(B * R, -1)
     head = model.get_output_embeddings()
 
@@ -106,8 +109,9 @@ def response_nll(model, batch: Batch, chunk_tokens: int | None = None):
 
 def token_scores(scorer, batch: Batch) -> torch.Tensor:
     """A sequence scorer's score head applied at every position ([B, L]): values for a critic."""
-    hidden = scorer.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                               position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    with mixed_precision(scorer):
+        hidden = scorer.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                   position_ids=batch.position_ids, use_cache=False).last_hidden_state
     return scorer.score(hidden).squeeze(-1).float()
 
 

@@ -22,6 +22,7 @@ from transformers import AttentionInterface, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from hybridcore.adapters import mixed_precision
 from hybridcore.batch import position_ids
 from hybridcore.tensor_parallel import local_kv_heads, tp_state
 
@@ -327,9 +328,10 @@ class NativeRollout:
         for s in range(0, P, chunk):  # each chunk attends to the cache columns written so far and its own
             e = min(P, s + chunk)
             d.cache.index = torch.arange(s, e, device=ids.device)
-            logits = self.model(input_ids=ids[:, s:e], attention_mask=allowed[:, :, s:e, :e],
-                                position_ids=positions[:, s:e], past_key_values=d.cache, use_cache=True,
-                                logits_to_keep=1).logits[:, -1]
+            with mixed_precision(self.model):  # as training's forward (forward.py); decode steps run without
+                logits = self.model(input_ids=ids[:, s:e], attention_mask=allowed[:, :, s:e, :e],
+                                    position_ids=positions[:, s:e], past_key_values=d.cache, use_cache=True,
+                                    logits_to_keep=1).logits[:, -1]
         d.column.fill_(P)
         d.positions.copy_(mask.sum(1, keepdim=True))
         clock.mark()

@@ -1,5 +1,7 @@
 """LoRA and bitsandbytes on the micro model: target checks, adapter switching, merged export that plain
 transformers loads with the adapter model's outputs, the shared base's reference, and 4-bit shape checks."""
+import contextlib
+import copy
 from pathlib import Path
 
 import pytest
@@ -8,8 +10,8 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hybridcore.adapters import (LoraSpec, adapter_parameters, add_lora, linear_names, save_adapters, save_merged,
-                                 use_adapter)
+from hybridcore.adapters import (LoraSpec, adapter_parameters, add_lora, compute_dtype, linear_names, mixed_precision,
+                                 save_adapters, save_merged, use_adapter)
 from hybridcore.batch import pack
 from hybridcore.errors import InputError
 from hybridcore.forward import batched, response_logprobs
@@ -192,3 +194,50 @@ def test_4bit_shape_check_runs_before_loading_a_folder(tok, tmp_path):
     save_model(LlamaForCausalLM(config), tok, tmp_path)
     with pytest.raises(InputError, match=r"^engine\.roles\.critic\.quantization=4bit: .*out_features=80"):
         load_causal_lm(str(tmp_path), quantization="4bit", quant_field="engine.roles.critic.quantization")
+
+
+def _saved_float32(model, batch, mixed: bool) -> list[int]:
+    """Sizes of the float32 activations autograd keeps for the model body's backward (parameters left out)."""
+    saved, params = [], {id(p) for p in model.parameters()}
+
+    def keep(t):
+        if t.dtype == torch.float32 and id(t) not in params and t.numel() >= batch.input_ids.numel() * 64:
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with mixed_precision(model) if mixed else contextlib.nullcontext():
+            model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False)
+    return saved
+
+
+def test_lora_on_a_bf16_base_computes_in_bf16_from_float32_masters(folder, batch):
+    """A bf16 base with float32 adapters runs under bf16 autocast (forward.py): autograd keeps no float32 copy of a
+    LoRA layer's input (peft casts each one to float32 without it); the adapters and their gradients stay float32,
+    and the gradients of the log-probs point where those of the same weights computed all in float32 do."""
+    model = add_lora(load_causal_lm(str(folder), precision="bf16"), SPEC, "engine.roles.actor",
+                     "default").get_base_model()
+    randomise_adapter(model, "default", 0)
+    exact = copy.deepcopy(model).float()
+    assert compute_dtype(model) == torch.bfloat16 and compute_dtype(exact) is None
+    c, tokens = model.config, batch.input_ids.numel()
+    lora_inputs = c.num_hidden_layers * tokens * (2 * c.hidden_size + c.intermediate_size)  # q_proj, v_proj, down_proj
+    # the norms' own float32 math is kept either way
+    assert sum(_saved_float32(model, batch, False)) - sum(_saved_float32(model, batch, True)) == lora_inputs
+    grads = []
+    for m in (model, exact):
+        response_logprobs(m, batch).sum().backward()
+        grads.append({n: p.grad for n, p in adapter_parameters(m, "default").items()})
+    for name, g in grads[0].items():
+        assert g.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), grads[1][name].flatten(), dim=0)
+        assert cos > 0.999, (name, cos)
+
+
+def test_compute_dtype_only_for_float32_trained_over_a_lower_precision_base(folder):
+    fp32 = add_lora(load_causal_lm(str(folder)), SPEC, "engine.roles.actor", "default").get_base_model()
+    assert compute_dtype(fp32) is None
+    frozen = load_causal_lm(str(folder), precision="bf16").requires_grad_(False)
+    assert compute_dtype(frozen) is None  # nothing trained: scoring roles run as loaded
+    assert isinstance(mixed_precision(frozen), contextlib.nullcontext)
