@@ -360,7 +360,8 @@ def our_step(a, base):
 
     def hybrid_actor(opts: dict) -> HybridActor:
         actor = HybridActor(m.policy, no_eos, activation_checkpointing=True, backend="native", backend_options=opts,
-                            train_engine=engine)
+                            train_engine=engine, optimizer=engine.optimizer if a.rollout_offload_optimizer else None,
+                            offload_optimizer=a.rollout_offload_optimizer)
         m.train()
         return actor
 
@@ -382,8 +383,9 @@ def rollout(rec: Recorder, m, actor, group: list[list[int]], n_new: int):
 def side_args(a, side: str, budget: float) -> list[str]:
     """This script's command line for one side in its own process."""
     keys = ("shape", "out", "steps", "warmup", "group", "prompts_per_step", "prompt_len", "response_len", "micro",
-            "beta", "lr", "seed", "commit", "rollout_compile")
-    flags = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+            "beta", "lr", "seed", "commit", "rollout_compile", "rollout_offload_optimizer")
+    flags = [x for k in keys if getattr(a, k) is not False
+             for x in ((f"--{k.replace('_', '-')}",) if getattr(a, k) is True else (f"--{k.replace('_', '-')}", str(getattr(a, k))))]
     return [sys.executable, "-u", str(Path(__file__).resolve()), "--side", side, "--budget-s", f"{budget:.0f}", *flags]
 
 
@@ -457,6 +459,8 @@ def row(side: str, s: dict) -> str:
         note += f" stopped early ({s['stopped']})"
     if s.get("rollout_fallback"):
         note += " rollout without CUDA graph"
+    if "--rollout-offload-optimizer" in s.get("command", ""):
+        note += " AdamW states on the CPU during the rollout"
     peak = m.get("max_allocated_gib", m.get("max_rss_gib"))
     return (f"| {name} | {fmt(m.get('s_per_step'), '.1f')} | {fmt(m.get('tokens_per_s'), '.0f')} | "
             f"{fmt(m.get('rollout_s'), '.1f')} | {fmt(peak)}{'' if 'max_allocated_gib' in m or not m else ' (RSS)'} | "
@@ -482,6 +486,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--rollout-offload-optimizer", action="store_true",
+                    help="ours: the actor's AdamW states on the CPU while it rolls out (engine.rollout.offload_optimizer)")
     ap.add_argument("--rollout-compile", choices=("off", "auto"), default="off",
                     help="ours: torch.compile the native decode step (auto) or only capture a CUDA graph (off)")
     ap.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget of the whole run (or one side)")

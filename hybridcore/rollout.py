@@ -159,10 +159,10 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
     return (choice if idx is None else idx.gather(1, choice)).squeeze(1)
 
 
-# prompt tokens over the whole batch per prefill chunk: at the Llama-3-8B shape one chunk's MLP activations are
-# ~0.35 GiB; bench/memory.py's rollout phase (8 x 1,024 prompt tokens prefilled at once) held 1.8 GiB beside the
-# whole KV cache (RESULTS 2026-12-06 01:33; put down to the prefill by arithmetic, not yet by a trace)
-PREFILL_TOKENS = 4096
+# prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
+# activations sit on top of it: at the Llama-3-8B shape, 4,096 tokens held 868 MiB there with float32 LoRA
+# inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB.
+PREFILL_TOKENS = 1024
 
 _capture_streams: dict = {}
 
