@@ -353,7 +353,7 @@ def our_step(a, base):
     from hybridcore.actor import HybridActor
     from hybridcore.adapters import LoraSpec
 
-    m, engine = grpo_roles(base, LoraSpec(16, 32.0, TARGETS), a.lr, a.steps, a.micro)
+    m, engine = grpo_roles(base, LoraSpec(16, 32.0, TARGETS), a.lr, a.steps, a.micro, a.host_optimizer_states)
     cfg = grpo_config(a.group, a.micro, a.response_len, prompts=a.prompts_per_step, iterations=a.steps, lr=a.lr,
                       beta=a.beta)
     no_eos = SimpleNamespace(pad_token_id=0, eos_token_id=None)  # no stop token: every response runs to full length
@@ -383,7 +383,7 @@ def rollout(rec: Recorder, m, actor, group: list[list[int]], n_new: int):
 def side_args(a, side: str, budget: float) -> list[str]:
     """This script's command line for one side in its own process."""
     keys = ("shape", "out", "steps", "warmup", "group", "prompts_per_step", "prompt_len", "response_len", "micro",
-            "beta", "lr", "seed", "commit", "rollout_compile", "rollout_offload_optimizer")
+            "beta", "lr", "seed", "commit", "rollout_compile", "rollout_offload_optimizer", "host_optimizer_states")
     flags = [x for k in keys if getattr(a, k) is not False
              for x in ((f"--{k.replace('_', '-')}",) if getattr(a, k) is True else (f"--{k.replace('_', '-')}", str(getattr(a, k))))]
     return [sys.executable, "-u", str(Path(__file__).resolve()), "--side", side, "--budget-s", f"{budget:.0f}", *flags]
@@ -461,6 +461,8 @@ def row(side: str, s: dict) -> str:
         note += " rollout without CUDA graph"
     if "--rollout-offload-optimizer" in s.get("command", ""):
         note += " AdamW states on the CPU during the rollout"
+    if "--host-optimizer-states" in s.get("command", ""):
+        note += " AdamW states on the CPU between steps"
     peak = m.get("max_allocated_gib", m.get("max_rss_gib"))
     return (f"| {name} | {fmt(m.get('s_per_step'), '.1f')} | {fmt(m.get('tokens_per_s'), '.0f')} | "
             f"{fmt(m.get('rollout_s'), '.1f')} | {fmt(peak)}{'' if 'max_allocated_gib' in m or not m else ' (RSS)'} | "
@@ -488,6 +490,8 @@ def main() -> int:
     ap.add_argument("--commit", default="")
     ap.add_argument("--rollout-offload-optimizer", action="store_true",
                     help="ours: the actor's AdamW states on the CPU while it rolls out (engine.rollout.offload_optimizer)")
+    ap.add_argument("--host-optimizer-states", action="store_true",
+                    help="ours: AdamW's moments in pinned CPU memory between steps (engine.optimizer_states: host)")
     ap.add_argument("--rollout-compile", choices=("off", "auto"), default="off",
                     help="ours: torch.compile the native decode step (auto) or only capture a CUDA graph (off)")
     ap.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget of the whole run (or one side)")

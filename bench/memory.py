@@ -135,20 +135,21 @@ def _materialize(module, device, std: float) -> None:
             m._parameters[k] = torch.nn.Parameter(t, requires_grad=False)
 
 
-def adamw(params, lr: float, steps: int, micro: int):
-    """One plain torch AdamW engine (constant lr, gradients clipped at 1.0)."""
+def adamw(params, lr: float, steps: int, micro: int, host_states: bool = False):
+    """One plain torch AdamW engine (constant lr, gradients clipped at 1.0); host_states: engine.optimizer_states
+    host (the moments in pinned CPU memory between steps)."""
     return make_engine(params, lr=lr, total_steps=steps, warmup_ratio=0.0, min_lr_ratio=1.0, max_grad_norm=1.0,
-                       micro_batch=micro)
+                       micro_batch=micro, host_states=host_states)
 
 
-def grpo_roles(base, lora: LoraSpec, lr: float, steps: int, micro: int):
+def grpo_roles(base, lora: LoraSpec, lr: float, steps: int, micro: int, host_states: bool = False):
     """(Models, the actor's engine) for a critic-free estimator on `base`, as stages/ppo.py shared_models builds them
     under engine.share_base: the actor's LoRA adapter on the frozen base (ActorOnBase), the reference = the adapter
     off, no critic, no reward model; activation checkpointing on, training mode."""
     roles = ppo.ActorOnBase(base, lora)
     m = ppo.Models(roles.model, roles.model, None, None, roles.actor_params, None, {"actor": roles.actor_params},
                    roles.peft, "actor", roles)
-    engine = adamw(roles.actor_params, lr, steps, micro)
+    engine = adamw(roles.actor_params, lr, steps, micro, host_states)
     m.frozen_check([engine.trained])
     m.train()
     set_activation_checkpointing(m.policy, True)

@@ -65,10 +65,12 @@ def backend_for(layout: Layout) -> str:
 
 def make_engine(model: torch.nn.Module, *, lr: float, total_steps: int, warmup_ratio: float, max_grad_norm: float,
                 weight_decay: float = 0.0, min_lr_ratio: float = 0.1, layout: Layout | None = None,
-                groups: Groups | None = None, micro_batch: int = 1, cpu_adam: bool = True) -> "Engine":
+                groups: Groups | None = None, micro_batch: int = 1, cpu_adam: bool = True,
+                host_states: bool = False) -> "Engine":
     """The engine `layout` asks for (default: one process, plain torch). cpu_adam: with offload_optimizer, step
     with DeepSpeedCPUAdam (the fast, JIT-built op; what a GPU run wants) rather than torch's AdamW on the CPU
-    partition (same maths, no build)."""
+    partition (same maths, no build). host_states: the torch engine keeps AdamW's moments in host memory between
+    steps (DeepSpeed's layouts offload with layout.offload_optimizer instead)."""
     layout = Layout.of(layout or Layout())
     validate(layout)
     if layout.tp > 1:
@@ -79,7 +81,9 @@ def make_engine(model: torch.nn.Module, *, lr: float, total_steps: int, warmup_r
     schedule = dict(lr=lr, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
                     weight_decay=weight_decay)
     if backend_for(layout) == "torch":
-        return TorchEngine(model, layout, groups, max_grad_norm, **schedule)
+        return TorchEngine(model, layout, groups, max_grad_norm, host_states=host_states, **schedule)
+    if host_states:
+        raise ValueError("host_states is the torch engine's; under DeepSpeed use layout.offload_optimizer")
     from hybridcore.zero import DeepSpeedEngine  # only when asked for: the GPU machine may not have deepspeed
     return DeepSpeedEngine(model, layout, groups, max_grad_norm, micro_batch=micro_batch, cpu_adam=cpu_adam,
                            **schedule)
@@ -190,9 +194,12 @@ class TorchEngine(Engine):
     backend = "torch"
 
     def __init__(self, model, layout: Layout, groups: Groups | None, max_grad_norm: float, *, lr: float,
-                 total_steps: int, warmup_ratio: float, min_lr_ratio: float, weight_decay: float):
+                 total_steps: int, warmup_ratio: float, min_lr_ratio: float, weight_decay: float,
+                 host_states: bool = False):
+        """host_states: AdamW's moments wait in host memory between optimizer steps (optim.HostStates)."""
         super().__init__(model, layout, groups, max_grad_norm)
         self.optimizer = self._client_optimizer = optim.adamw(model, lr, weight_decay)
+        self.host_states = optim.HostStates(self.optimizer) if host_states else None
         self.scheduler = optim.warmup_cosine(self.optimizer, total_steps, warmup_ratio, min_lr_ratio)
         self.trained = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.owns_weights = layout.tp > 1  # each tp rank holds other shards: it writes its own file
@@ -201,6 +208,15 @@ class TorchEngine(Engine):
         loss.backward()
 
     def step(self) -> float:
+        if self.host_states is not None:
+            self.host_states.to_device()
+        try:
+            return self._step()
+        finally:
+            if self.host_states is not None:
+                self.host_states.to_host()
+
+    def _step(self) -> float:
         if self.layout.tp == 1:
             return optim.step(self.module, self.optimizer, self.scheduler, self.max_grad_norm)
         from hybridcore.tensor_parallel import clip_grad_norm_

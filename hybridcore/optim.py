@@ -36,3 +36,46 @@ def step(model, optimizer, scheduler, max_grad_norm: float) -> float:
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+class HostStates:
+    """An optimizer's per-parameter states (AdamW's two moments) kept in host memory between steps: `to_device()`
+    before the optimizer steps, `to_host()` after. The device then holds them only while it steps, when no
+    activations are alive: the update's and the rollout's peaks lose their bytes, for 2 x their bytes over PCIe a
+    step (0.31 GiB each way at the Llama-3-8B shape's LoRA r16 on seven linears). The host buffers are pinned on
+    first use and reused; the step counters (CPU scalars) are left where the optimizer keeps them. A state that
+    a checkpoint load put back on the device returns to the host after the next step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _moments(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        yield p, state, k, v
+
+    def to_host(self) -> None:
+        cuda = False
+        for p, state, k, v in self._moments():
+            host = self.host.get((id(p), k))
+            if host is None or host.shape != v.shape or host.dtype != v.dtype:
+                host = self.host[id(p), k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+            if v is not host:
+                host.copy_(v, non_blocking=v.is_cuda)
+                cuda |= v.is_cuda
+            state[k] = host
+        if cuda:
+            torch.cuda.synchronize()  # the copies are complete before the device memory is reused
+
+    def to_device(self) -> None:
+        for p, state, k, v in self._moments():
+            if v.device != p.device:
+                state[k] = v.to(p.device, non_blocking=True)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.host.values())
+

@@ -145,7 +145,8 @@ def choose_offload(stage: str, budget_gib: float, weights: int, grads: int, opti
                          f"the CPU; expected a larger budget or LoRA")
     if not zero_capable:
         raise InputError(f"{what}; the optimizer states would fit on the CPU, but that needs DeepSpeed ZeRO in one "
-                         f"process (deepspeed installed, engine.layout dp=1 tp=1); expected that, or a larger budget")
+                         f"process (deepspeed installed, engine.layout dp=1 tp=1); expected that, "
+                         f"engine.optimizer_states: host, or a larger budget")
     return True
 
 
@@ -256,8 +257,9 @@ def zero_capable(layout) -> bool:
 
 def plan_stage(stage: str, budget_gib: float, batch_size: int, configured: int, models: Iterable[torch.nn.Module],
                trained: Iterable[torch.Tensor], layout, device, probe: Callable[[int], None],
-               say: Callable[[str], None]):
-    """(Plan, layout to train with) for one stage: offload if needed, then the measured micro-batch; one line said."""
+               say: Callable[[str], None], host_states: bool = False):
+    """(Plan, layout to train with) for one stage: offload if needed, then the measured micro-batch; one line said.
+    host_states: the torch engine keeps the optimizer's moments on the host between steps (none held here)."""
     from dataclasses import replace
 
     from hybridcore.parallel import Layout
@@ -265,12 +267,12 @@ def plan_stage(stage: str, budget_gib: float, batch_size: int, configured: int, 
     layout, models, trained = Layout.of(layout), list(models), list(trained)
     weights = held_bytes(models)
     grads = sum(p.numel() * p.element_size() for p in trained)
-    optimizer = optimizer_state_bytes(trained, layout.zero_stage, layout.offload_optimizer)
+    optimizer = optimizer_state_bytes(trained, layout.zero_stage, layout.offload_optimizer or host_states)
     if choose_offload(stage, budget_gib, weights, grads, optimizer, zero_capable(layout), torch.device(device).type):
         layout = replace(layout, zero_stage=max(layout.zero_stage, 2), offload_optimizer=True)
         optimizer = 0
     n_params = sum(p.numel() for p in {id(q): q for m in models for q in m.parameters()}.values())
     plan = plan_micro_batch(stage, budget_gib, batch_size, n_params, weights + optimizer, probe, device,
-                            layout.offload_optimizer)
+                            layout.offload_optimizer or host_states)
     say(plan.line(stage, configured))
     return plan, layout

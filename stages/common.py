@@ -254,7 +254,7 @@ def trainer(p, model, *, lr: float, steps: int, warmup_ratio: float, min_lr_rati
     return make_engine(model, lr=lr, total_steps=steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio,
                        max_grad_norm=max_grad_norm, weight_decay=weight_decay,
                        layout=Layout.of(layout if layout is not None else p.engine.layout), micro_batch=micro_batch,
-                       groups=current())
+                       groups=current(), host_states=p.engine.optimizer_states == "host")
 
 
 def planned(p, stage: str, batch_size: int, configured: int, models, trained, probe, sink):
@@ -265,7 +265,7 @@ def planned(p, stage: str, batch_size: int, configured: int, models, trained, pr
     from hybridcore.errors import say
     from hybridcore.planner import plan_stage
     plan, layout = plan_stage(stage, p.engine.memory_budget_gib, batch_size, configured, models, trained,
-                              p.engine.layout, device(p), probe, say)
+                              p.engine.layout, device(p), probe, say, host_states=p.engine.optimizer_states == "host")
     sink.log(plan.metrics(), 0)
     return plan.micro_batch, layout, plan.metrics()
 

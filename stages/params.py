@@ -267,6 +267,10 @@ class Engine(_Section):
     # the largest power-of-two micro-batch that fits (hybridcore/planner.py); the batch sizes stay as configured
     memory_budget_gib: Optional[float] = Field(None, gt=0)
     share_base: bool = False                # actor + critic adapters on one frozen base
+    # where the trained roles' AdamW moments wait between optimizer steps. host: in pinned CPU memory, on the
+    # device only while it steps (2 x their bytes over PCIe a step; LoRA-sized states: a few hundred MiB off the
+    # update's and the rollout's peaks). The plain torch engine's; DeepSpeed layouts: layout.offload_optimizer
+    optimizer_states: Literal["device", "host"] = "device"
     roles: Roles = Roles()
     layout: Layout = Layout()
     rollout: Rollout = Rollout()
@@ -404,6 +408,16 @@ def check_supported(p: Params) -> None:
         raise InputError(f"engine.rollout.decode_4bit: fused, but the actor is {e.roles.actor.quantization} and the "
                          f"backend {e.rollout.backend}; expected engine.roles.actor.quantization: 4bit with the "
                          f"native backend (or decode_4bit: bitsandbytes)")
+    if e.optimizer_states == "host":
+        from hybridcore.engine import backend_for
+        from hybridcore.parallel import Layout as Plain
+        if backend_for(Plain.of(e.layout)) != "torch":
+            raise InputError("engine.optimizer_states: host is the plain torch engine's, but engine.layout asks for "
+                             "DeepSpeed; expected device (engine.layout.offload_optimizer keeps DeepSpeed's states "
+                             "on the CPU)")
+        if e.rollout.offload_optimizer:
+            raise InputError("engine.rollout.offload_optimizer: true, but engine.optimizer_states: host already keeps "
+                             "the states off the device between steps; expected false")
     if e.layout.tp % e.rollout.tp:
         raise InputError(f"engine.rollout.tp: found {e.rollout.tp}, expected a divisor of engine.layout.tp="
                          f"{e.layout.tp} (the rollout regroups the training shards into fewer, larger ones)")

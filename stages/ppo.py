@@ -384,7 +384,8 @@ def rollout_plan(p, m: Models, engines: list, tok, prompts: list[list[int]], n_n
         return r.chunk_size, r.offload_optimizer, {}
     from hybridcore import planner
     layout = engines[0].layout
-    states = {role: planner.optimizer_state_bytes(list(t.parameters()), layout.zero_stage, layout.offload_optimizer)
+    parked = layout.offload_optimizer or p.engine.optimizer_states == "host"
+    states = {role: planner.optimizer_state_bytes(list(t.parameters()), layout.zero_stage, parked)
               for role, t in m.trained().items()}
     held = planner.held_bytes(m.roles().values()) + sum(states.values()) - (states["actor"] if r.offload_optimizer
                                                                              else 0)
@@ -400,7 +401,7 @@ def rollout_plan(p, m: Models, engines: list, tok, prompts: list[list[int]], n_n
             probing.probe(longest, chunk, n_new)
     try:
         plan = planner.plan_rollout(budget, rows, r.chunk_size or rows, held, states["actor"],
-                                    layout.zero_stage == 0 and not r.offload_optimizer,
+                                    layout.zero_stage == 0 and not r.offload_optimizer and not parked,
                                     lambda c: planner.kv_cache_bytes(m.policy.config, c, capacity, dtype), probe,
                                     m.policy.device)
     finally:
