@@ -15,7 +15,9 @@ OURS = ("hybridcore", "stages", "bench")  # the frame that names a site: the inn
 
 def start(max_entries: int = 2_000_000) -> None:
     import torch
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Python frames only: with the default (C++ frames too) the recorder made the 8B GRPO step's backward fail
+    # with "SystemError: run_backward returned NULL without setting an exception" (H100, 2026-12-06)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
 
 
 def stop() -> None:
