@@ -46,7 +46,7 @@ import stages.ppo as ppo  # noqa: E402
 import stages.rewards as rewards  # noqa: E402
 from stages.ppo import PpoStep  # noqa: E402
 from stages.rewards import Responses, Rewards  # noqa: E402
-from hybridcore import forward  # noqa: E402
+from hybridcore import forward, optim  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec  # noqa: E402
 from hybridcore.batch import pack  # noqa: E402
@@ -261,8 +261,22 @@ class Bench:
         return out
 
     def step(self, micro: int = 2, rollout: bool = True, offload: bool = False, frozen: bool = True,
-             fused: bool = False) -> dict:
-        """One PPO step; returns the ledger's record of each phase and the update's statistics."""
+             fused: bool = False, host_states: bool = False) -> dict:
+        """One PPO step; returns the ledger's record of each phase and the update's statistics. host_states: the
+        engines' AdamW moments in host memory between optimizer steps for this step (engine.optimizer_states)."""
+        if not host_states:
+            return self._step(micro, rollout, offload, frozen, fused)
+        for e in self.engines:
+            e.host_states = optim.HostStates(e.optimizer)
+            e.host_states.to_host()  # the states the earlier rows' steps created
+        try:
+            return self._step(micro, rollout, offload, frozen, fused)
+        finally:
+            for e in self.engines:
+                e.host_states.to_device()
+                e.host_states = None
+
+    def _step(self, micro: int, rollout: bool, offload: bool, frozen: bool, fused: bool) -> dict:
         cfg = self.cfg(micro)
         self.it += 1
         t0 = time.perf_counter()
@@ -369,16 +383,18 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
+            ("optimizer states on the host", {"host_states": True}, "every engine's AdamW moments in pinned CPU "
+                                                                    "memory between steps (engine.optimizer_states)"),
             ("fused 4-bit decode", {"fused": True}, "decode steps' 4-bit linears through the fused NF4 kernel "
                                                     "(engine.rollout.decode_4bit: fused)")]
-GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "fused 4-bit decode")
+GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "optimizer states on the host", "fused 4-bit decode")
 PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the ablation table's columns
           "grpo": ("rollout", "scoring", "actor_update")}
 
 
 def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
     """(name, step switches, what it changes) after the default row: gae's whole ablation for llama3-8b and tiny,
-    the fused decode alone for qwen2.5-14b; grpo's three rows for every shape (tiny: no fused row, CPU)."""
+    the fused decode alone for qwen2.5-14b; grpo's four rows for every shape (tiny: no fused row, CPU)."""
     rows = ([r for r in ABLATION if r[0] in GRPO_ROWS] if estimator == "grpo" else
             [r for r in ABLATION if r[0] == "fused 4-bit decode"] if shape == "qwen2.5-14b" else ABLATION)
     return [r for r in rows if shape != "tiny" or not r[1].get("fused")]  # the kernel needs CUDA
@@ -396,7 +412,8 @@ def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
             ctx = _null()
         with ctx:
             out = b.step(micro=sw.get("micro", 2), rollout=sw.get("rollout", True), offload=sw.get("offload", False),
-                         frozen=sw.get("frozen", True), fused=sw.get("fused", False))
+                         frozen=sw.get("frozen", True), fused=sw.get("fused", False),
+                         host_states=sw.get("host_states", False))
         row.update(out)
         if not sw.get("rollout", True) and "rollout" in res.get("default", {}).get("phases", {}):
             row["phases"]["rollout"] = {**res["default"]["phases"]["rollout"], "reused": True}
