@@ -361,7 +361,7 @@ def our_step(a, base):
     def hybrid_actor(opts: dict) -> HybridActor:
         actor = HybridActor(m.policy, no_eos, activation_checkpointing=True, backend="native", backend_options=opts,
                             train_engine=engine, optimizer=engine.optimizer if a.rollout_offload_optimizer else None,
-                            offload_optimizer=a.rollout_offload_optimizer)
+                            offload_optimizer=a.rollout_offload_optimizer, fused_4bit=a.fused_decode)
         m.train()
         return actor
 
@@ -383,9 +383,12 @@ def rollout(rec: Recorder, m, actor, group: list[list[int]], n_new: int):
 def side_args(a, side: str, budget: float) -> list[str]:
     """This script's command line for one side in its own process."""
     keys = ("shape", "out", "steps", "warmup", "group", "prompts_per_step", "prompt_len", "response_len", "micro",
-            "beta", "lr", "seed", "commit", "rollout_compile", "rollout_offload_optimizer", "host_optimizer_states")
-    flags = [x for k in keys if getattr(a, k) is not False
-             for x in ((f"--{k.replace('_', '-')}",) if getattr(a, k) is True else (f"--{k.replace('_', '-')}", str(getattr(a, k))))]
+            "beta", "lr", "seed", "commit", "rollout_compile", "rollout_offload_optimizer", "host_optimizer_states",
+            "fused_decode")
+    flags = []
+    for k in keys:
+        v, flag = getattr(a, k), f"--{k.replace('_', '-')}"
+        flags += [] if v is False else [flag] if v is True else [flag, str(v)]  # switches: present or absent
     return [sys.executable, "-u", str(Path(__file__).resolve()), "--side", side, "--budget-s", f"{budget:.0f}", *flags]
 
 
@@ -463,6 +466,8 @@ def row(side: str, s: dict) -> str:
         note += " AdamW states on the CPU during the rollout"
     if "--host-optimizer-states" in s.get("command", ""):
         note += " AdamW states on the CPU between steps"
+    if "--fused-decode" in s.get("command", ""):
+        note += " fused NF4 decode"
     peak = m.get("max_allocated_gib", m.get("max_rss_gib"))
     return (f"| {name} | {fmt(m.get('s_per_step'), '.1f')} | {fmt(m.get('tokens_per_s'), '.0f')} | "
             f"{fmt(m.get('rollout_s'), '.1f')} | {fmt(peak)}{'' if 'max_allocated_gib' in m or not m else ' (RSS)'} | "
@@ -492,6 +497,9 @@ def main() -> int:
                     help="ours: the actor's AdamW states on the CPU while it rolls out (engine.rollout.offload_optimizer)")
     ap.add_argument("--host-optimizer-states", action="store_true",
                     help="ours: AdamW's moments in pinned CPU memory between steps (engine.optimizer_states: host)")
+    ap.add_argument("--fused-decode", action="store_true",
+                    help="ours: decode steps' 4-bit linears through the fused NF4 kernel (engine.rollout.decode_4bit: "
+                         "fused; CUDA)")
     ap.add_argument("--rollout-compile", choices=("off", "auto"), default="off",
                     help="ours: torch.compile the native decode step (auto) or only capture a CUDA graph (off)")
     ap.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget of the whole run (or one side)")
