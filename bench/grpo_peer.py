@@ -14,8 +14,8 @@ the group's std, the same python reward, AdamW at a constant 1e-6, gradients cli
 differ by their own design (kept: that is what is measured): TRL generates with HF generate's dynamic cache, ours
 with the native static cache and a CUDA graph; TRL casts the LoRA weights to bf16 and trains under bf16 autocast,
 ours keeps them float32 (weights, gradients, AdamW states) and computes them under bf16 autocast in every forward
-but the decode steps (hybridcore/adapters.py mixed_precision); with one pass TRL skips the old-policy log-prob forward (the detached current
-log-probs stand in), ours computes it in PpoStep.experience.
+but the decode steps (hybridcore/adapters.py mixed_precision); with one pass TRL skips the old-policy log-prob
+forward (the detached current log-probs stand in), ours computes it in PpoStep.experience.
 
 Each side runs in its own process so that each peak is its own. Per step: seconds (on_step_begin -> on_step_end
 of a TrainerCallback for TRL; the whole iteration for ours), torch.cuda.max_memory_allocated / reserved, and the

@@ -38,6 +38,15 @@ def step(model, optimizer, scheduler, max_grad_norm: float) -> float:
     return float(norm)
 
 
+def host_buffer(buffers: dict, key, like: torch.Tensor) -> torch.Tensor:
+    """buffers[key]: a host tensor of `like`'s shape and dtype (pinned when `like` is on CUDA), allocated on first
+    use or when those change, else the one already there: the same buffer serves every later copy."""
+    host = buffers.get(key)
+    if host is None or host.shape != like.shape or host.dtype != like.dtype:
+        host = buffers[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+    return host
+
+
 class HostStates:
     """An optimizer's per-parameter states (AdamW's two moments) kept in host memory between steps: `to_device()`
     before the optimizer steps, `to_host()` after. The device then holds them only while it steps, when no
@@ -61,9 +70,7 @@ class HostStates:
     def to_host(self) -> None:
         cuda = False
         for p, state, k, v in self._moments():
-            host = self.host.get((id(p), k))
-            if host is None or host.shape != v.shape or host.dtype != v.dtype:
-                host = self.host[id(p), k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+            host = host_buffer(self.host, (id(p), k), v)
             if v is not host:
                 host.copy_(v, non_blocking=v.is_cuda)
                 cuda |= v.is_cuda
@@ -78,4 +85,3 @@ class HostStates:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.host.values())
-

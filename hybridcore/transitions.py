@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybridcore.models import set_activation_checkpointing
+from hybridcore.optim import host_buffer
 
 
 class TrainMode:
@@ -57,12 +58,7 @@ class OptimizerOffload:
                     yield state, k, v
 
     def _host_buffer(self, state: dict, k: str, v: torch.Tensor) -> torch.Tensor:
-        key = (id(state), k)
-        host = self.host_states.get(key)
-        if host is None or host.shape != v.shape or host.dtype != v.dtype:
-            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-            self.host_states[key] = host
-        return host
+        return host_buffer(self.host_states, (id(state), k), v)
 
     def reserve(self) -> int:
         """Allocate the buffers for the states that exist now (call after the first step); bytes reserved."""
