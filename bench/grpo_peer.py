@@ -260,7 +260,7 @@ def trl(a) -> None:
         def on_step_end(self, args, state, control, **kw):
             r = rec.end(lengths_ok=bool(lengths) and set(lengths) == {a.response_len},
                         response_lengths=sorted(set(lengths)), **timing)
-            if not rec.time_left(r["seconds"]):
+            if state.global_step < state.max_steps and not rec.time_left(r["seconds"]):  # as ours: not after the last
                 control.should_training_stop = True
                 rec.res["stopped"] = "budget"
 
@@ -462,12 +462,11 @@ def row(side: str, s: dict) -> str:
         note += f" stopped early ({s['stopped']})"
     if s.get("rollout_fallback"):
         note += " rollout without CUDA graph"
-    if "--rollout-offload-optimizer" in s.get("command", ""):
-        note += " AdamW states on the CPU during the rollout"
-    if "--host-optimizer-states" in s.get("command", ""):
-        note += " AdamW states on the CPU between steps"
-    if "--fused-decode" in s.get("command", ""):
-        note += " fused NF4 decode"
+    switches = {"--rollout-offload-optimizer": "AdamW states on the CPU during the rollout",
+                "--host-optimizer-states": "AdamW states on the CPU between steps",
+                "--fused-decode": "fused NF4 decode"}
+    if side == "ours":  # the driver passes its whole command line to both sides; these only change ours
+        note = "; ".join([note] * bool(note) + [t for flag, t in switches.items() if flag in s.get("command", "").split()])
     peak = m.get("max_allocated_gib", m.get("max_rss_gib"))
     return (f"| {name} | {fmt(m.get('s_per_step'), '.1f')} | {fmt(m.get('tokens_per_s'), '.0f')} | "
             f"{fmt(m.get('rollout_s'), '.1f')} | {fmt(peak)}{'' if 'max_allocated_gib' in m or not m else ' (RSS)'} | "

@@ -30,16 +30,16 @@ SHAPES = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HID
 TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate": (45, 128), "up": (45, 128),
         "down": (128, 320)}  # --tiny: odd N, a K (320) not a multiple of 128 or 256
 # (name, nf4.matmul arguments, batches), most telling first (a tight --budget-s drops the tail): unset arguments
-# are nf4.DEFAULTS[kernel] (gemv 128 rows x 64 columns a step, 4 warps, no pipelining; dot 64 x 128, 4 warps,
-# 3 stages), split_k "auto", reduce "serial", lookup "table", block_m the batch (gemv at most 8 rows a program,
+# are nf4.DEFAULTS[kernel] (gemv 128 rows x 64 columns a step, 4 warps, no pipelining; dot 64 x 256, 4 warps,
+# no pipelining), split_k "auto", reduce "serial", lookup "table", block_m the batch (gemv at most 8 rows a program,
 # dot 16 to 64) and vec 16 bytes (8 past 4 rows of x). Configs that spill registers when compiled for sm_90
 # (gemv with 256 columns a step, 2 rows a thread at 8 rows of x) are left out.
 CONFIGS = [
     ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
     ("gemv", dict(kernel="gemv"), (1, 8, 16)),
     ("dot", dict(kernel="dot"), (1, 8, 16, 64)),
-    ("dot_s1", dict(kernel="dot", num_stages=1), (1, 8, 64)),  # no cp.async: lookups straight from L1
-    ("dot_k256_s1", dict(kernel="dot", block_k=256, num_stages=1), (1, 8, 64)),  # more bytes in flight a program
+    ("dot_k128_s3", dict(kernel="dot", block_k=128, num_stages=3), (8, 16, 64)),  # the defaults before 2026-12-06
+    ("dot_k128_s1", dict(kernel="dot", block_k=128, num_stages=1), (1, 8, 64)),  # fewer bytes in flight a program
     ("gemv_k128", dict(kernel="gemv", block_k=128), (1, 8)),  # more bytes in flight a program
     ("gemv_n256", dict(kernel="gemv", block_n=256), (1,)),  # 2 rows a thread: each x converted for two
     ("gemv_split1", dict(kernel="gemv", split_k=1), (1, 8)),
@@ -51,8 +51,9 @@ CONFIGS = [
     ("dot_n128_w8", dict(kernel="dot", block_n=128, num_warps=8), (8, 64)),
     ("dot_n128_s1", dict(kernel="dot", block_n=128, num_stages=1), (8,)),
     ("dot_n32_s1", dict(kernel="dot", block_n=32, num_stages=1), (8, 64)),  # mma.sync instead of wgmma
-    ("dot_k256", dict(kernel="dot", block_k=256), (8, 64)),
+    ("dot_k256_s3", dict(kernel="dot", num_stages=3), (8, 64)),
     ("dot_k64_s4", dict(kernel="dot", block_k=64, num_stages=4), (8, 64)),
+    ("dot_k512", dict(kernel="dot", block_k=512), (8, 16)),
     ("gemv_n64_w2", dict(kernel="gemv", block_n=64, num_warps=2), (1, 8)),
     ("gemv_n256_w8", dict(kernel="gemv", block_n=256, num_warps=8), (1,)),
     ("gemv_vec8", dict(kernel="gemv", vec=8), (1,)),
@@ -168,7 +169,7 @@ def main() -> None:
     import triton
     res = {"gpu": "cpu (interpreter)" if a.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "layers": a.layers, "tiny": a.tiny,
-           "int4_bytes": sum(w["packed"].numel() + w["nf4"].absmax.numel() * 4 for w in weights),
+           "int4_bytes": sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in weights),
            "defaults": {"GEMV_MAX_M": nf4.GEMV_MAX_M, "DEFAULTS": nf4.DEFAULTS, "SPLIT_TARGET": nf4.SPLIT_TARGET},
            "configs": {name: {"kwargs": kwargs, "batches": list(batches)} for name, kwargs, batches in CONFIGS},
            "steps": {}, "skipped": []}

@@ -5,8 +5,10 @@ gets a forward that sends small batches (at most `max_rows` rows: the decode ste
 reads each packed weight once, and everything larger (the prefill) through bitsandbytes' own forward; on exit the
 layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer and add their
 deltas around whichever forward it has, so adapters need nothing here. The weights are frozen (QLoRA trains only
-adapters): the fp32 absmax each layer's kernel reads is built on entry from the double-quantised one and dropped
-on exit (an eighth of the packed bytes again: a rollout-only cost).
+adapters). The kernels read bitsandbytes' own tensors, the double-quantised absmax included (resolved per block
+inside the kernel), so the rollout holds no copy of them; only the second level's small tables are made fp32
+where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes: 0.41
+GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
 """
 from __future__ import annotations
 
@@ -58,12 +60,9 @@ class FusedNf4Decode:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("engine.rollout.decode_4bit=fused runs its Triton kernel on CUDA (on a CPU only under "
                                "Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or bitsandbytes")
-        held = 0
         for layer in self.layers:
-            w = nf4.NF4Weight.from_bnb(layer.weight)
-            held += w.absmax.nbytes
-            layer.forward = fused_forward(layer, w, self.max_rows)
-        return {"fused_absmax": held}
+            layer.forward = fused_forward(layer, nf4.NF4Weight.from_bnb(layer.weight), self.max_rows)
+        return {}
 
     def exit(self) -> dict[str, int]:
         for layer in self.layers:

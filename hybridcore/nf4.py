@@ -26,41 +26,64 @@ import torch
 
 @dataclass
 class NF4Weight:
-    """An [N, K] weight in bitsandbytes' NF4 layout: `packed` uint8 [N*K/2] (row-major, two columns a byte),
-    `absmax` fp32, one per `blocksize` consecutive elements of the flattened weight, `code` the 16 NF4 levels."""
+    """An [N, K] weight in bitsandbytes' NF4 layout: `packed` uint8 [N*K/2] (row-major, two columns a byte), one
+    absmax per `blocksize` consecutive elements of the flattened weight, `code` the 16 NF4 levels. The absmax is
+    fp32, or, double-quantised as bitsandbytes keeps it, uint8 codes into `code2` scaled by `absmax2` (fp32, one per
+    `blocksize2` absmax) plus `offset`: the kernels resolve those per block, so reading a layer this way holds no
+    copy of anything (an fp32 absmax would add an eighth of the packed bytes)."""
     packed: torch.Tensor
     absmax: torch.Tensor
     code: torch.Tensor
     shape: tuple[int, int]
     blocksize: int
+    absmax2: torch.Tensor | None = None
+    code2: torch.Tensor | None = None
+    offset: float = 0.0
+    blocksize2: int = 256
+
+    @property
+    def nested(self) -> bool:
+        return self.absmax2 is not None
 
     @classmethod
     def from_bnb(cls, weight) -> "NF4Weight":
-        """From a bitsandbytes Params4bit (or its packed data + quant_state): nested absmax dequantised once."""
+        """From a bitsandbytes Params4bit (or its packed data + quant_state), sharing its tensors (nothing copied
+        but the two small second-level tables, in fp32)."""
         state = weight.quant_state
         if state.quant_type != "nf4":
             raise ValueError(f"NF4Weight: quant_type {state.quant_type!r}, expected 'nf4'")
-        absmax = state.absmax
-        if state.nested:
-            import bitsandbytes.functional as bnbf
-            absmax = bnbf.dequantize_blockwise(absmax, state.state2) + state.offset
         n, k = state.shape
         if k % 2:
             raise ValueError(f"NF4Weight: {k} input features, expected an even number (two columns a byte)")
-        return cls(weight.data.reshape(-1).view(torch.uint8), absmax.float().contiguous(),
-                   state.code.float().contiguous(), (n, k), state.blocksize)
+        packed, code = weight.data.reshape(-1).view(torch.uint8), state.code.float().contiguous()
+        if not state.nested:
+            return cls(packed, state.absmax.float().contiguous(), code, (n, k), state.blocksize)
+        s2 = state.state2
+        return cls(packed, state.absmax.contiguous(), code, (n, k), state.blocksize, s2.absmax.float().contiguous(),
+                   s2.code.float().contiguous(), float(state.offset), s2.blocksize)
+
+    def scales(self) -> torch.Tensor:
+        """The fp32 absmax of every block, as bitsandbytes resolves a double-quantised one (code2 x absmax2, then
+        the offset: two roundings, as the kernels do)."""
+        if not self.nested:
+            return self.absmax
+        blocks = self.absmax.numel()
+        outer = self.absmax2.repeat_interleave(self.blocksize2)[:blocks]
+        return self.code2[self.absmax.long()] * outer + self.offset
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The whole [N, K] weight, in plain torch (the reference)."""
         hi, lo = (self.packed >> 4).long(), (self.packed & 15).long()
         flat = torch.stack([self.code[hi], self.code[lo]], dim=-1).reshape(-1)
-        scale = self.absmax.repeat_interleave(self.blocksize)[: flat.numel()]
+        scale = self.scales().repeat_interleave(self.blocksize)[: flat.numel()]
         return (flat * scale).reshape(self.shape).to(dtype)
 
 
 GEMV_MAX_M = 2  # batches up to this many rows take `gemv`, larger ones `dot` (a guess: see the module docstring)
+# dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
+# bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower), bench/RESULTS.md 2026-12-06
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
-            "dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=3)}
+            "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
 
@@ -106,10 +129,11 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     upcast = type(fn).__name__ == "InterpretedFunction"  # see nf4_dot's UPCAST
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+    outer = (w.absmax2, w.code2) if w.nested else (w.absmax, w.code)  # unread when not nested
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x2, w.packed, w.absmax, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2, per * bk // 2,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, REDUCE=mode, SELECT=lookup == "select",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+        x2, w.packed, w.absmax, *outer, w.offset, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
+        per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
+        REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     return y.to(x.dtype).reshape(*lead, n)
 
 

@@ -2,6 +2,7 @@
 before anything imports triton, and in the test session torch.compile imports it first); prints JSON for
 tests/hybridcore/test_nf4.py to judge. Importing this module (the test does, for CASES) imports neither triton nor
 bitsandbytes and sets nothing: main() does."""
+import dataclasses
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def weight(n: int, k: int, seed: int, nested: bool = True):
 def errors_of_bad_calls(nf4, torch) -> dict:
     """The ValueError message of each call matmul must refuse."""
     w, _ = weight(64, 128, seed=3)
-    odd_k = nf4.NF4Weight(w.packed[: 64 * 48], w.absmax, w.code, (64, 96), 64)
+    odd_k = dataclasses.replace(w, packed=w.packed[: 64 * 48], shape=(64, 96))
     x = torch.randn(2, 128)
     calls = {"features": lambda: nf4.matmul(torch.randn(2, 64), w),
              "whole_blocks": lambda: nf4.matmul(x[:, :96], odd_k),
@@ -72,10 +73,12 @@ def main() -> None:
     import torch
     from hybridcore import nf4
 
-    out = {"dequant_equal": {}, "matmul_err": {}}
+    out = {"dequant_equal": {}, "matmul_err": {}, "plain_err": {}}
     for nested in (True, False):
         w, want = weight(96, 192, seed=0, nested=nested)
         out["dequant_equal"][str(nested)] = bool(torch.equal(w.dequantize(), want))
+        kept = torch.uint8 if nested else torch.float32
+        out[f"absmax_{str(kept)[6:]}"] = w.absmax.dtype == kept
     w, want = weight(N, K, seed=1)
     out["dequant_equal"]["cases"] = bool(torch.equal(w.dequantize(), want))
     exact = w.dequantize()
@@ -85,6 +88,11 @@ def main() -> None:
         ok = got.shape == (m, N) and got.dtype == x.dtype
         err = float((got.float() - ref).abs().max() / ref.abs().max())
         out["matmul_err"][f"{name}-{m}-{dtype}"] = err if ok else -1
+    w, want = weight(N, K, seed=5, nested=False)  # an fp32 absmax (no double quantisation): the kernels' other path
+    for name, m in (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16)):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m))
+        out["plain_err"][f"{name}-{m}"] = float((nf4.matmul(x, w, **KERNEL_CONFIGS[name]) - x @ want.T).abs().max()
+                                                / (x @ want.T).abs().max())
     out["counters_zero"] = all(int(c.abs().sum()) == 0 for c in nf4._COUNTERS.values()) and bool(nf4._COUNTERS)
     w, whole = weight(64, 128, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))

@@ -35,6 +35,18 @@ def test_fused_matmul_equals_dequantise_then_matmul(results, name, m, dtype):
     assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), (KERNEL_CONFIGS[name], err)
 
 
+def test_double_quantised_absmax_is_read_in_place(results):
+    """from_bnb keeps bitsandbytes' uint8 absmax codes (the kernels resolve them per block: no fp32 copy held) and an
+    fp32 absmax where there is no double quantisation."""
+    assert results["absmax_uint8"] is True and results["absmax_float32"] is True
+
+
+@pytest.mark.parametrize("case", ["auto-1", "auto-8", "gemv-8", "dot-16"])
+def test_fused_matmul_with_a_plain_absmax(results, case):
+    """The kernels' path for an fp32 absmax (a weight quantised without double quantisation), fp32 x."""
+    assert 0 <= results["plain_err"][case] <= 1e-5
+
+
 def test_split_counters_left_at_zero(results):
     """The in-kernel split reduction's counters are zero again after every call that used them."""
     assert results["counters_zero"] is True
