@@ -161,8 +161,9 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
 
 # prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
 # activations sit on top of it: at the Llama-3-8B shape, 4,096 tokens held 868 MiB there with float32 LoRA
-# inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB.
-PREFILL_TOKENS = 1024
+# inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB
+# (with the fused decode, the GRPO step's rollout peak: 0.35 GiB above weights + cache, 2026-12-06); 512 ~half.
+PREFILL_TOKENS = 512
 
 _capture_streams: dict = {}
 

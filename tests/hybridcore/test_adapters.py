@@ -235,6 +235,17 @@ def test_lora_on_a_bf16_base_computes_in_bf16_from_float32_masters(folder, batch
         assert cos > 0.999, (name, cos)
 
 
+def test_forwards_without_autograd_cache_no_cast_adapters(folder):
+    """Training's forward keeps autocast's cache (a cast weight reused by backward); a forward without autograd (the
+    rollout's prefill, scoring) does not, so the adapters' bf16 copies go as soon as each layer is done."""
+    model = add_lora(load_causal_lm(str(folder), precision="bf16"), SPEC, "engine.roles.actor",
+                     "default").get_base_model()
+    with mixed_precision(model):
+        assert torch.is_autocast_cache_enabled()
+    with torch.no_grad(), mixed_precision(model):
+        assert not torch.is_autocast_cache_enabled()
+
+
 def test_compute_dtype_only_for_float32_trained_over_a_lower_precision_base(folder):
     fp32 = add_lora(load_causal_lm(str(folder)), SPEC, "engine.roles.actor", "default").get_base_model()
     assert compute_dtype(fp32) is None
