@@ -331,6 +331,7 @@ def ours(a) -> None:
         lengths = [len(r) for r in responses]
         r = rec.end(lengths_ok=set(lengths) == {a.response_len}, response_lengths=sorted(set(lengths)),
                     rollout_s=rollout_s, rollout_peak_gib=rollout_peak, experience_s=t2 - t,
+                    rollout_stats={k: v for k, v in actor.last_stats.items() if isinstance(v, (int, float, str))},
                     update_s=time.perf_counter() - t2, metrics={**step.metrics(exp, a.response_len), **stats})
         if it + 1 < a.steps and not rec.time_left(r["seconds"]):
             rec.res["stopped"] = "budget"
