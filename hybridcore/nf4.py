@@ -29,8 +29,8 @@ class NF4Weight:
     """An [N, K] weight in bitsandbytes' NF4 layout: `packed` uint8 [N*K/2] (row-major, two columns a byte), one
     absmax per `blocksize` consecutive elements of the flattened weight, `code` the 16 NF4 levels. The absmax is
     fp32, or, double-quantised as bitsandbytes keeps it, uint8 codes into `code2` scaled by `absmax2` (fp32, one per
-    `blocksize2` absmax) plus `offset`: the kernels resolve those per block, so reading a layer this way holds no
-    copy of anything (an fp32 absmax would add an eighth of the packed bytes)."""
+    `blocksize2` absmax) plus `offset` (fp32 [1]): the kernels resolve those per block, so reading a layer this way
+    holds no copy of anything (an fp32 absmax would add an eighth of the packed bytes)."""
     packed: torch.Tensor
     absmax: torch.Tensor
     code: torch.Tensor
@@ -38,7 +38,7 @@ class NF4Weight:
     blocksize: int
     absmax2: torch.Tensor | None = None
     code2: torch.Tensor | None = None
-    offset: float = 0.0
+    offset: torch.Tensor | None = None
     blocksize2: int = 256
 
     @property
@@ -60,7 +60,7 @@ class NF4Weight:
             return cls(packed, state.absmax.float().contiguous(), code, (n, k), state.blocksize)
         s2 = state.state2
         return cls(packed, state.absmax.contiguous(), code, (n, k), state.blocksize, s2.absmax.float().contiguous(),
-                   s2.code.float().contiguous(), float(state.offset), s2.blocksize)
+                   s2.code.float().contiguous(), state.offset.float().reshape(1), s2.blocksize)
 
     def scales(self) -> torch.Tensor:
         """The fp32 absmax of every block, as bitsandbytes resolves a double-quantised one (code2 x absmax2, then
@@ -129,9 +129,9 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     upcast = type(fn).__name__ == "InterpretedFunction"  # see nf4_dot's UPCAST
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
-    outer = (w.absmax2, w.code2) if w.nested else (w.absmax, w.code)  # unread when not nested
+    outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x2, w.packed, w.absmax, *outer, w.offset, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
+        x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
         per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
         REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     return y.to(x.dtype).reshape(*lead, n)

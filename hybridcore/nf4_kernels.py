@@ -27,12 +27,12 @@ def _level(q, code_ptr, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, rn, kb, N, ROW_BYTES,
+def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn, kb, N, ROW_BYTES,
                   WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                   SELECT: tl.constexpr):
     """WIDTH bytes from byte kb of rows rn (inside one quantisation block of HB bytes): the levels of their even and
     odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (NESTED: a uint8 code into
-    code2, times the absmax2 of its BLOCK2 absmax, plus offset, as bitsandbytes resolves it). Bytes past the row's
+    code2, times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it). Bytes past the row's
     end read as zeros and scale by 0 (K is whole blocks, so a block is all in or all out)."""
     ok = rn < tl.where(kb < ROW_BYTES, N, 0)  # not (rn < N) & (kb < ...): the interpreter makes that int32
     byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, WIDTH)[None, :], mask=ok[:, None], other=0)
@@ -40,7 +40,8 @@ def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, r
     block = rn * (ROW_BYTES // HB) + kb // HB
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0) + offset
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0)
+        scale += tl.load(offset_ptr)  # a tensor, not a float argument: torch.compile passes those as fp64
         scale = tl.where(ok, scale, 0.0)
     else:
         scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
@@ -85,7 +86,7 @@ def _finish(acc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M: tl.conste
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch only bounds masks: one compile for all batches of a BLOCK_M
-def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
+def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
              stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
              VEC: tl.constexpr, REDUCE: tl.constexpr, SELECT: tl.constexpr):
@@ -101,8 +102,8 @@ def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr,
     for kb in range(start, tl.minimum(start + PER_SPLIT, ROW_BYTES), BLOCK_K // 2):
         for r in tl.static_range(BLOCK_K // (2 * VEC)):
             kr = tl.multiple_of(kb + r * VEC, VEC)  # so are PER_SPLIT and the step
-            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, rn, kr,
-                                                 N, ROW_BYTES, VEC, HB, NESTED, BLOCK2, SELECT)
+            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn,
+                                                 kr, N, ROW_BYTES, VEC, HB, NESTED, BLOCK2, SELECT)
             x_even, x_odd = _x_block(x_ptr, rm, M, stride_xm, kr, ROW_BYTES, BLOCK_M, VEC)
             prod = x_even.to(tl.float32)[:, :, None] * tl.trans(w_even)[None, :, :]
             prod += x_odd.to(tl.float32)[:, :, None] * tl.trans(w_odd)[None, :, :]
@@ -111,7 +112,7 @@ def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr,
 
 
 @triton.jit(do_not_specialize=["M"])
-def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
+def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
             stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
             REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -127,8 +128,8 @@ def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, 
     for kb in range(start, tl.minimum(start + PER_SPLIT, ROW_BYTES), BLOCK_K // 2):
         for r in tl.static_range(BLOCK_K // QBLOCK):
             kr = tl.multiple_of(kb + r * HB, HB)  # a block's first byte (so are PER_SPLIT and the step)
-            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset, code_ptr, rn, kr,
-                                                 N, ROW_BYTES, HB, HB, NESTED, BLOCK2, SELECT)
+            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn,
+                                                 kr, N, ROW_BYTES, HB, HB, NESTED, BLOCK2, SELECT)
             x_even, x_odd = _x_block(x_ptr, rm, M, stride_xm, kr, ROW_BYTES, BLOCK_M, HB)
             w_even, w_odd = w_even.to(x_even.dtype), w_odd.to(x_odd.dtype)
             if UPCAST:

@@ -268,6 +268,7 @@ class NativeRollout:
         self.stop_check_every = stop_check_every
         self.capacity_multiple = capacity_multiple
         self._decoder: _Decoder | None = None
+        self.compile_error: str | None = None  # the first automatic compile's failure (then the plain step)
         self._saved_attention = None
         self.last_stats: dict[str, float] = {}
         self.last_logprobs: torch.Tensor | None = None
@@ -302,8 +303,11 @@ class NativeRollout:
             graph = device.type == "cuda" and tp_state(self.model).size == 1 if self.cuda_graph is None \
                 else self.cuda_graph
             compile = self._resolve_compile(graph)
+            if compile is None and self.compile_error:  # failed once: not again every rollout (seconds, memory)
+                compile = False
             capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
             self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile)
+            self.compile_error = self.compile_error or d.compile_error
         d.reset()
         return d
 
@@ -358,7 +362,7 @@ class NativeRollout:
         prefill_s, decode_s = clock.intervals()
         self.last_stats = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
-                           "compiled": d.compiled, "compile_error": d.compile_error}
+                           "compiled": d.compiled, "compile_error": self.compile_error}
         return out
 
 

@@ -1,6 +1,7 @@
 """The native rollout backend against transformers' generate, its sampler, and the train <-> rollout
 transition (no weight copy, KV cache freed, optimizer states offloaded and restored)."""
 import gc
+import warnings
 import weakref
 from collections import Counter
 
@@ -133,6 +134,29 @@ def test_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatc
             assert got == expected
             assert actor.backend.last_stats["compile_error"] == "RuntimeError: inductor exploded"
             assert not actor.backend.last_stats["compiled"]
+
+
+def test_a_failed_automatic_compile_is_not_retried_every_rollout(tok, prompts, monkeypatch):
+    """Each rollout builds its decoder afresh (exit frees the KV cache); after one failed automatic compile the
+    later ones decode with the plain step at once, still reporting the failure (on a GPU each retry cost seconds
+    and ~2 GiB at the 8B shape: bench/RESULTS.md 2026-12-06)."""
+    model = build_preset("micro", tok, seed=0).float().eval()
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor exploded")
+    monkeypatch.setattr(rollout, "compiled_decode_step", lambda: broken)
+    actor = HybridActor(model, tok)
+    actor.backend = NativeRollout(model, cuda_graph=False)
+    monkeypatch.setattr(actor.backend, "_resolve_compile", lambda graph: None)
+    for _ in range(3):
+        with actor.rollout(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            actor.generate(prompts[:3], MAX_NEW, greedy=True)
+        assert actor.backend.last_stats["compile_error"] == "RuntimeError: inductor exploded"
+        assert not actor.backend.last_stats["compiled"]
+    assert len(calls) == 1
 
 
 def test_temperature_zero_is_greedy(tok, prompts, eos_model):
