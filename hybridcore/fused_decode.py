@@ -1,14 +1,14 @@
 """The 4-bit rollout's decode linears through the fused NF4 kernel (hybridcore/nf4.py) instead of bitsandbytes.
 
 A rollout transition (hybridcore/transitions.py's protocol): on entry every bitsandbytes Linear4bit of the model
-gets a forward that sends small batches (at most `max_rows` rows: the decode steps) through `nf4.matmul`, which
-reads each packed weight once, and everything larger (the prefill) through bitsandbytes' own forward; on exit the
-layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer and add their
-deltas around whichever forward it has, so adapters need nothing here. The weights are frozen (QLoRA trains only
-adapters). The kernels read bitsandbytes' own tensors, the double-quantised absmax included (resolved per block
-inside the kernel), so the rollout holds no copy of them; only the second level's small tables are made fp32
-where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes: 0.41
-GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
+gets a forward that sends small batches (2 to `max_rows` rows: the decode steps) through `nf4.matmul`, which
+reads each packed weight once, and everything else (a longer prefill, a lone row) through bitsandbytes' own forward;
+on exit the layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer and
+add their deltas around whichever forward it has, so adapters need nothing here. The weights are frozen (QLoRA
+trains only adapters). The kernels read bitsandbytes' own tensors, the double-quantised absmax included (resolved
+per block inside the kernel), so the rollout holds no copy of them; only the second level's small tables are made
+fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes:
+0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
 """
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ import torch
 
 from hybridcore import nf4
 
-MAX_ROWS = 16  # the decode batch at most, in rows, sent through the fused kernel (bench/nf4_decode.py)
+# the decode batches, in rows, sent through the fused kernel (bench/nf4_decode.py, H100, 2026-12-06: the 8B
+# decoder's 224 linears take 8.3 ms at 8 and 16 rows against bitsandbytes' 11.5, which dequantises the whole
+# weight for more than one row; for one row bitsandbytes' own gemv kernel is faster, 4.0 ms against 5.4)
+MIN_ROWS, MAX_ROWS = 2, 16
 
 
 def linear4bit_layers(model) -> list[torch.nn.Module]:
@@ -30,11 +33,11 @@ def linear4bit_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, Linear4bit)]
 
 
-def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int):
+def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
     own = type(layer).forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] > max_rows:
+        if not min_rows <= x.numel() // x.shape[-1] <= max_rows:
             return own(layer, x)
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
         y = nf4.matmul(x.to(dtype), weight)

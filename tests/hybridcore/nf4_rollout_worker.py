@@ -55,6 +55,11 @@ def main() -> None:
         out["restored"] = not any("forward" in vars(m) for m in model.modules())
     out["fused_calls"] = len(calls["rows"])
     out["fused_rows"] = sorted(set(calls["rows"]))
+    for fused in (False, True):  # one prompt: its decode steps are one row, which bitsandbytes' gemv takes
+        actor = HybridActor(model, tok, fused_4bit=fused)
+        with actor.rollout():
+            out[f"one_{fused}"] = actor.generate(prompts[:1], 6, greedy=True)
+    out["one_row_fused_calls"] = calls["rows"][out["fused_calls"]:].count(1)
     out["linear4bit"] = len(linear4bit_layers(model))
     try:
         HybridActor(build_preset("micro", tok, seed=0), tok, fused_4bit=True)

@@ -34,5 +34,13 @@ def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(re
     assert results["restored"] is True
 
 
+def test_a_lone_row_stays_on_bitsandbytes(results):
+    """A one-prompt rollout decodes one row a step: bitsandbytes' own gemv kernel is faster there (bench/RESULTS.md
+    2026-12-06), so the fused kernel takes no one-row call (its 4-token prefill may go either way), and the tokens
+    are bitsandbytes' own."""
+    assert results["one_row_fused_calls"] == 0
+    assert results["one_True"] == results["one_False"] and len(results["one_True"][0]) == NEW_TOKENS
+
+
 def test_a_model_without_4bit_layers_is_refused(results):
     assert "has no bitsandbytes Linear4bit layer" in results["plain_model"]
