@@ -298,6 +298,7 @@ def ours(a) -> None:
     is what stages/ppo.py iteration() does: the hybrid actor's native rollout (static KV cache, CUDA graph),
     PpoStep.experience (actor and reference log-probs, rewards, group advantages), PpoStep.update."""
     from hybridcore.batch import pack
+    from stages.ppo import with_rollout_logprobs
     from stages.rewards import Responses
 
     rec, t0 = Recorder(a, "ours"), time.perf_counter()
@@ -324,6 +325,7 @@ def ours(a) -> None:
         batch = pack(group, responses, 0, rec.device)
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         exp = step.experience(batch, Responses(it, [text(p) for p in group], texts, [{} for _ in group]))
+        with_rollout_logprobs(exp, actor)  # so metrics() logs rollout_logprob_gap, as a PPO run does
         sync(rec.device)
         t2 = time.perf_counter()
         stats = step.update(batch, exp, a.seed + it, it)

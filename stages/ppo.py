@@ -168,6 +168,16 @@ def separate_models(p, inputs: dict[str, Path], tok, rm, homes: dict, critic: bo
     return m
 
 
+def with_rollout_logprobs(exp: dict, actor) -> dict:
+    """exp["rollout_logp"]: each sampled token's log-prob as the rollout computed it (where the backend keeps them),
+    beside training's old_logp: PpoStep.metrics logs their mean gap."""
+    if actor.last_logprobs is not None:
+        exp["rollout_logp"] = torch.zeros_like(exp["old_logp"])
+        for i, lp in enumerate(actor.last_logprobs):
+            exp["rollout_logp"][i, :len(lp)] = torch.tensor(lp)
+    return exp
+
+
 def offload_homes(p) -> dict:
     """Frozen roles whose weights wait on the CPU between scorings (engine.roles.<role>.offload)."""
     return {role: torch.device("cpu") for role in ("reward", "reference") if getattr(p.engine.roles, role).offload}
@@ -534,10 +544,7 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
         m.moved_in = lambda: mem.hold("weights", ledger.held_now()["weights"])  # offloaded roles count
         batch = pack(prompts, responses, r.tok.pad_token_id, m.policy.device)
         exp = r.step.experience(batch, r.step.rewards.read(r.ps, r.tok, it, rows, responses, m.policy.device))
-    if actor.last_logprobs is not None:  # each sampled token's log-prob as the rollout computed it
-        exp["rollout_logp"] = torch.zeros_like(exp["old_logp"])
-        for i, lp in enumerate(actor.last_logprobs):
-            exp["rollout_logp"][i, :len(lp)] = torch.tensor(lp)
+    with_rollout_logprobs(exp, actor)
     if fault_active("ppo", "nan", it):
         exp["scores"][0] = float("nan")
     t2 = time.perf_counter()
