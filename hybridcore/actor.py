@@ -134,7 +134,7 @@ class HybridActor:
             stats.append(dict(getattr(self.backend, "last_stats", {})))
         self.last_logprobs = logprobs
         self.last_stats = {**stats[-1], "chunks": len(stats), "chunk_rows": size,
-                           **{k: sum(st.get(k, 0) for st in stats) for k in ("prefill_s", "decode_s", "steps")
+                           **{k: sum(st.get(k, 0) for st in stats) for k in ("build_s", "prefill_s", "decode_s", "steps")
                               if k in stats[-1]}}
         return responses
 

@@ -327,7 +327,8 @@ class NativeRollout:
         if max_new_tokens == 0:
             return out
         clock = _Clock(ids.device)
-        d = self._decoder_for(B, P + max_new_tokens, ids.device)
+        d = self._decoder_for(B, P + max_new_tokens, ids.device)  # a new shape: cache, compile, graph capture
+        clock.mark()
         d.mask[:, :P] = mask.bool()
         allowed, positions, chunk = prefill_mask(mask), position_ids(mask), max(1, self.prefill_tokens // B)
         for s in range(0, P, chunk):  # each chunk attends to the cache columns written so far and its own
@@ -359,8 +360,8 @@ class NativeRollout:
             logits = d.step()
         out, self.last_logprobs = out[:, :n], logps[:, :n]
         clock.mark()
-        prefill_s, decode_s = clock.intervals()
-        self.last_stats = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
+        build_s, prefill_s, decode_s = clock.intervals()
+        self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
                            "compiled": d.compiled, "compile_error": self.compile_error}
         return out
