@@ -469,7 +469,8 @@ def row(side: str, s: dict) -> str:
                 "--host-optimizer-states": "AdamW states on the CPU between steps",
                 "--fused-decode": "fused NF4 decode"}
     if side == "ours":  # the driver passes its whole command line to both sides; these only change ours
-        note = "; ".join([note] * bool(note) + [t for flag, t in switches.items() if flag in s.get("command", "").split()])
+        used = [text for flag, text in switches.items() if flag in s.get("command", "").split()]
+        note = "; ".join(x for x in (note.strip(), *used) if x)
     peak = m.get("max_allocated_gib", m.get("max_rss_gib"))
     return (f"| {name} | {fmt(m.get('s_per_step'), '.1f')} | {fmt(m.get('tokens_per_s'), '.0f')} | "
             f"{fmt(m.get('rollout_s'), '.1f')} | {fmt(peak)}{'' if 'max_allocated_gib' in m or not m else ' (RSS)'} | "

@@ -334,8 +334,9 @@ def table(res) -> str:
     t = res.get("transitions")
     if t:
         lines += ["", f"Transitions (AdamW state {t['optimizer_state_bytes'] / 2**30:.2f} GiB):", "",
-                  "| offload optimizer | rep | enter s | exit s | first generate s (build+prefill+decode s) | enter MiB | "
-                  "exit MiB | KV cache MiB | allocated before MiB |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| offload optimizer | rep | enter s | exit s | first generate s (build+prefill+decode s) | "
+                  "enter MiB | exit MiB | KV cache MiB | allocated before MiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             lines.append(f"| {r['offload_optimizer']} | {r['rep']} | {r['enter_s']:.3f} | {r['exit_s']:.3f} | "
                          f"{r['generate_s']:.3f} ({r['generate_build_prefill_decode_s']:.3f}) | "

@@ -134,8 +134,8 @@ class HybridActor:
             stats.append(dict(getattr(self.backend, "last_stats", {})))
         self.last_logprobs = logprobs
         self.last_stats = {**stats[-1], "chunks": len(stats), "chunk_rows": size,
-                           **{k: sum(st.get(k, 0) for st in stats) for k in ("build_s", "prefill_s", "decode_s", "steps")
-                              if k in stats[-1]}}
+                           **{k: sum(st.get(k, 0) for st in stats)
+                              for k in ("build_s", "prefill_s", "decode_s", "steps") if k in stats[-1]}}
         return responses
 
     def _generate_chunk(self, prompts, max_new_tokens, greedy, temperature, top_k, top_p, steps):

@@ -77,8 +77,8 @@ def main() -> None:
     for nested in (True, False):
         w, want = weight(96, 192, seed=0, nested=nested)
         out["dequant_equal"][str(nested)] = bool(torch.equal(w.dequantize(), want))
-        kept = torch.uint8 if nested else torch.float32
-        out[f"absmax_{str(kept)[6:]}"] = w.absmax.dtype == kept
+        key, kept = ("absmax_uint8", torch.uint8) if nested else ("absmax_float32", torch.float32)
+        out[key] = w.absmax.dtype == kept
     w, want = weight(N, K, seed=1)
     out["dequant_equal"]["cases"] = bool(torch.equal(w.dequantize(), want))
     exact = w.dequantize()
