@@ -9,6 +9,10 @@ trains only adapters). The kernels read bitsandbytes' own tensors, the double-qu
 per block inside the kernel), so the rollout holds no copy of them; only the second level's small tables are made
 fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes:
 0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
+
+The kernel is called through a custom op (`torch.ops.hybridcore.nf4_matmul`), which torch.compile keeps as one
+opaque node: traced into, the launcher's Python broke the compiled decode step inside every attention, and each
+decoder layer's `layer_idx` then forced a recompile of the rest, past dynamo's limit of 8 (2026-12-06, H100).
 """
 from __future__ import annotations
 
@@ -33,14 +37,29 @@ def linear4bit_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, Linear4bit)]
 
 
+@torch.library.custom_op("hybridcore::nf4_matmul", mutates_args=(),
+                         schema="(Tensor x, Tensor packed, Tensor absmax, Tensor code, Tensor? absmax2, Tensor? code2, "
+                                "Tensor? offset, int n, int k, int blocksize, int blocksize2) -> Tensor")
+def nf4_matmul(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2):
+    """nf4.matmul with its default tiles on an NF4Weight given as its tensors (what a custom op can take)."""
+    return nf4.matmul(x, nf4.NF4Weight(packed, absmax, code, (n, k), blocksize, absmax2, code2, offset, blocksize2))
+
+
+@nf4_matmul.register_fake
+def _(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2):
+    return x.new_empty(*x.shape[:-1], n)
+
+
 def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
     own = type(layer).forward
+    w = weight
+    args = (w.packed, w.absmax, w.code, w.absmax2, w.code2, w.offset, *w.shape, w.blocksize, w.blocksize2)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not min_rows <= x.numel() // x.shape[-1] <= max_rows:
             return own(layer, x)
         dtype = getattr(layer, "compute_dtype", None) or x.dtype
-        y = nf4.matmul(x.to(dtype), weight)
+        y = nf4_matmul(x.to(dtype), *args)
         if layer.bias is not None:
             y = y + layer.bias.to(dtype)
         return y.to(x.dtype)

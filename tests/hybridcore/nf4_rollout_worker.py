@@ -15,7 +15,8 @@ import torch  # noqa: E402
 from hybridcore import nf4  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters  # noqa: E402
-from hybridcore.fused_decode import linear4bit_layers  # noqa: E402
+from hybridcore.fused_decode import FusedNf4Decode, linear4bit_layers  # noqa: E402
+from hybridcore.rollout import StaticKVCache, decode_step  # noqa: E402
 from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer  # noqa: E402
 
 TEXTS = [f"item {i} costs {i * 7 % 50} coins and weighs {i * 3 % 20} grams" for i in range(60)]
@@ -34,6 +35,27 @@ def model_and_tokenizer():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return peft.get_base_model().eval(), tok
+
+
+def compiled_step(model) -> dict:
+    """The fused decode step (3 rows) under torch.compile: how many graphs dynamo makes of it (explain), and its
+    logits through aot_eager (the custom op's fake, functionalisation) against the plain step's, over 3 steps."""
+    def state():
+        cache = StaticKVCache.allocate(model.config, 3, 8, torch.float32, torch.device("cpu"))
+        tokens = torch.tensor([[5], [9], [17]])
+        return (model, tokens, torch.zeros(3, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.zeros(3, 8, dtype=torch.bool), cache.keys, cache.values)
+    fused = FusedNf4Decode(model)
+    fused.enter()
+    try:
+        with torch.no_grad():
+            explained = torch._dynamo.explain(decode_step)(*state())
+            compiled = torch.compile(decode_step, backend="aot_eager", dynamic=False)
+            plain_args, compiled_args = state(), state()
+            diff = max(float((decode_step(*plain_args) - compiled(*compiled_args)).abs().max()) for _ in range(3))
+    finally:
+        fused.exit()
+    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count, "max_diff": diff}
 
 
 def main() -> None:
@@ -61,6 +83,7 @@ def main() -> None:
             out[f"one_{fused}"] = actor.generate(prompts[:1], 6, greedy=True)
     out["one_row_fused_calls"] = calls["rows"][out["fused_calls"]:].count(1)
     out["linear4bit"] = len(linear4bit_layers(model))
+    out["compiled_step"] = compiled_step(model)
     try:
         HybridActor(build_preset("micro", tok, seed=0), tok, fused_4bit=True)
         out["plain_model"] = ""

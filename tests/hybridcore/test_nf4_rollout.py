@@ -42,5 +42,14 @@ def test_a_lone_row_stays_on_bitsandbytes(results):
     assert results["one_True"] == results["one_False"] and len(results["one_True"][0]) == NEW_TOKENS
 
 
+def test_the_fused_decode_step_compiles_to_one_graph(results):
+    """torch.compile sees the kernel as one opaque op (hybridcore::nf4_matmul), so the whole 4-bit + LoRA step is
+    one graph: a break inside each attention made dynamo recompile per decoder layer (layer_idx), past its limit,
+    on the 8B shape. Through aot_eager (the op's fake shapes, functionalisation) the logits are the plain step's."""
+    got = results["compiled_step"]
+    assert (got["graphs"], got["breaks"]) == (1, 0), got
+    assert got["max_diff"] < 1e-5, got
+
+
 def test_a_model_without_4bit_layers_is_refused(results):
     assert "has no bitsandbytes Linear4bit layer" in results["plain_model"]
