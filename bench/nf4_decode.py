@@ -36,8 +36,6 @@ TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate":
 # (gemv with 256 columns a step, 2 rows a thread at 8 rows of x) are left out.
 CONFIGS = [
     ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
-    ("dot_pair", dict(kernel="dot", lookup="pair"), (8, 16, 64)),  # one 8-byte load a byte for both levels
-    ("gemv_pair", dict(kernel="gemv", lookup="pair"), (1, 8)),
     ("gemv", dict(kernel="gemv"), (1, 8, 16)),
     ("dot", dict(kernel="dot"), (1, 8, 16, 64)),
     ("dot_k128_s3", dict(kernel="dot", block_k=128, num_stages=3), (8, 16, 64)),  # the defaults before 2026-12-06

@@ -39,23 +39,21 @@ def linear4bit_layers(model) -> list[torch.nn.Module]:
 
 @torch.library.custom_op("hybridcore::nf4_matmul", mutates_args=(),
                          schema="(Tensor x, Tensor packed, Tensor absmax, Tensor code, Tensor? absmax2, Tensor? code2, "
-                                "Tensor? offset, int n, int k, int blocksize, int blocksize2, Tensor? pairs) -> Tensor")
-def nf4_matmul(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2, pairs):
+                                "Tensor? offset, int n, int k, int blocksize, int blocksize2) -> Tensor")
+def nf4_matmul(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2):
     """nf4.matmul with its default tiles on an NF4Weight given as its tensors (what a custom op can take)."""
-    return nf4.matmul(x, nf4.NF4Weight(packed, absmax, code, (n, k), blocksize, absmax2, code2, offset, blocksize2,
-                                       pairs))
+    return nf4.matmul(x, nf4.NF4Weight(packed, absmax, code, (n, k), blocksize, absmax2, code2, offset, blocksize2))
 
 
 @nf4_matmul.register_fake
-def _(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2, pairs):
+def _(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksize2):
     return x.new_empty(*x.shape[:-1], n)
 
 
 def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
     own = type(layer).forward
     w = weight
-    args = (w.packed, w.absmax, w.code, w.absmax2, w.code2, w.offset, *w.shape, w.blocksize, w.blocksize2,
-            w.pairs)
+    args = (w.packed, w.absmax, w.code, w.absmax2, w.code2, w.offset, *w.shape, w.blocksize, w.blocksize2)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not min_rows <= x.numel() // x.shape[-1] <= max_rows:

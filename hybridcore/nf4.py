@@ -40,7 +40,6 @@ class NF4Weight:
     code2: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     blocksize2: int = 256
-    pairs: torch.Tensor | None = None  # int64 [256]: both levels of each byte (pair_table), for lookup="pair"
 
     @property
     def nested(self) -> bool:
@@ -58,11 +57,10 @@ class NF4Weight:
             raise ValueError(f"NF4Weight: {k} input features, expected an even number (two columns a byte)")
         packed, code = weight.data.reshape(-1).view(torch.uint8), state.code.float().contiguous()
         if not state.nested:
-            return cls(packed, state.absmax.float().contiguous(), code, (n, k), state.blocksize,
-                       pairs=pair_table(code))
+            return cls(packed, state.absmax.float().contiguous(), code, (n, k), state.blocksize)
         s2 = state.state2
         return cls(packed, state.absmax.contiguous(), code, (n, k), state.blocksize, s2.absmax.float().contiguous(),
-                   s2.code.float().contiguous(), state.offset.float().reshape(1), s2.blocksize, pair_table(code))
+                   s2.code.float().contiguous(), state.offset.float().reshape(1), s2.blocksize)
 
     def scales(self) -> torch.Tensor:
         """The fp32 absmax of every block, as bitsandbytes resolves a double-quantised one (code2 x absmax2, then
@@ -81,21 +79,11 @@ class NF4Weight:
         return (flat * scale).reshape(self.shape).to(dtype)
 
 
-def pair_table(code: torch.Tensor) -> torch.Tensor:
-    """int64 [256]: for each packed byte, the fp32 bits of its high nibble's level in the upper word and its low
-    nibble's in the lower one, so a kernel resolves a byte's two levels with one load instead of two (2 KiB, held
-    in L1 like the 16-entry code)."""
-    bits = code.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    byte = torch.arange(256, device=code.device)
-    return (bits[byte >> 4] << 32) | bits[byte & 15]
-
-
 GEMV_MAX_M = 2  # batches up to this many rows take `gemv`, larger ones `dot` (a guess: see the module docstring)
 # dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
 # bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower), bench/RESULTS.md 2026-12-06
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}
-LOOKUPS = ("table", "select", "pair")  # the kernels' LOOKUP constexpr is the index
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
 
@@ -112,8 +100,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
     a tile's K, or "auto". reduce: how the splits meet, "serial" (the last to finish adds them up, in the kernel)
     or "atomic" (fp32 atomic adds into a zeroed buffer, then a cast: two more launches). lookup: "table" (a load
-    from the 16-entry code for each nibble), "pair" (one load a byte from w.pairs: both its levels) or "select" (a
-    tree of selects). dot rounds the levels to x's dtype for the MMA (fp32 x:
+    from the 16-entry code) or "select" (a tree of selects). dot rounds the levels to x's dtype for the MMA (fp32 x:
     full-precision FMAs, slow). Splitting keeps counters on the device, one per output tile: calls that split K
     must not run concurrently on two streams."""
     import triton
@@ -143,11 +130,10 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
-    pairs = w.pairs if lookup == "pair" else w.code  # unread unless "pair"
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x2, w.packed, w.absmax, *outer, w.code, pairs, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
+        x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
         per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
-        REDUCE=mode, LOOKUP=LOOKUPS.index(lookup), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+        REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     return y.to(x.dtype).reshape(*lead, n)
 
 
@@ -160,8 +146,7 @@ def _check(x, w, kernel, cfg) -> None:
         (x.shape[-1] != k, f"x has {x.shape[-1]} features, the weight takes {k}"),
         (x.dtype not in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}, expected a float dtype"),
         (kernel not in ("gemv", "dot"), f"kernel {kernel!r}, expected 'gemv', 'dot' or None"),
-        (cfg["lookup"] not in LOOKUPS, f"lookup {cfg['lookup']!r}, expected one of {', '.join(LOOKUPS)}"),
-        (cfg["lookup"] == "pair" and w.pairs is None, "lookup 'pair' needs the weight's pair table (NF4Weight.pairs)"),
+        (cfg["lookup"] not in ("select", "table"), f"lookup {cfg['lookup']!r}, expected 'select' or 'table'"),
         (cfg["reduce"] not in ("serial", "atomic"), f"reduce {cfg['reduce']!r}, expected 'serial' or 'atomic'"),
         (not pow2(w.blocksize, 32) or w.blocksize > 256,
          f"quantisation block {w.blocksize}, expected a power of two from 32 to 256"),

@@ -27,12 +27,11 @@ def _level(q, code_ptr, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pair_ptr, rn, kb, N,
-                  ROW_BYTES, WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
-                  LOOKUP: tl.constexpr):
+def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn, kb, N, ROW_BYTES,
+                  WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                  SELECT: tl.constexpr):
     """WIDTH bytes from byte kb of rows rn (inside one quantisation block of HB bytes): the levels of their even and
-    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled; LOOKUP 0: the code table, 1: selects, 2: the pair table)
-    and the rows' absmax [BLOCK_N] (NESTED: a uint8 code into
+    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (NESTED: a uint8 code into
     code2, times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it). Bytes past the row's
     end read as zeros and scale by 0 (K is whole blocks, so a block is all in or all out)."""
     ok = rn < tl.where(kb < ROW_BYTES, N, 0)  # not (rn < N) & (kb < ...): the interpreter makes that int32
@@ -46,11 +45,7 @@ def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_pt
         scale = tl.where(ok, scale, 0.0)
     else:
         scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
-    if LOOKUP == 2:  # one load a byte: the high nibble's fp32 level in the upper word, the low one's below
-        both = tl.load(pair_ptr + byte)
-        high = (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        return high, both.to(tl.int32).to(tl.float32, bitcast=True), scale
-    return _level(byte >> 4, code_ptr, LOOKUP == 1), _level(byte & 15, code_ptr, LOOKUP == 1), scale
+    return _level(byte >> 4, code_ptr, SELECT), _level(byte & 15, code_ptr, SELECT), scale
 
 
 @triton.jit
@@ -91,11 +86,10 @@ def _finish(acc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M: tl.conste
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch only bounds masks: one compile for all batches of a BLOCK_M
-def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pair_ptr, y_ptr, part_ptr,
-             count_ptr, M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr,
+def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
+             stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
-             VEC: tl.constexpr, REDUCE: tl.constexpr, LOOKUP: tl.constexpr):
+             VEC: tl.constexpr, REDUCE: tl.constexpr, SELECT: tl.constexpr):
     """Small batches, no tensor cores. Each program owns BLOCK_N rows of W (and BLOCK_M rows of x) over one split of
     K and takes VEC bytes of every row at a time: a [BLOCK_N, VEC] tile is one vector load of one row per thread,
     so the [BLOCK_M, VEC, BLOCK_N] product can sum its columns inside each thread (no shuffles) while every thread
@@ -108,8 +102,8 @@ def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_
     for kb in range(start, tl.minimum(start + PER_SPLIT, ROW_BYTES), BLOCK_K // 2):
         for r in tl.static_range(BLOCK_K // (2 * VEC)):
             kr = tl.multiple_of(kb + r * VEC, VEC)  # so are PER_SPLIT and the step
-            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
-                                                 pair_ptr, rn, kr, N, ROW_BYTES, VEC, HB, NESTED, BLOCK2, LOOKUP)
+            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn,
+                                                 kr, N, ROW_BYTES, VEC, HB, NESTED, BLOCK2, SELECT)
             x_even, x_odd = _x_block(x_ptr, rm, M, stride_xm, kr, ROW_BYTES, BLOCK_M, VEC)
             prod = x_even.to(tl.float32)[:, :, None] * tl.trans(w_even)[None, :, :]
             prod += x_odd.to(tl.float32)[:, :, None] * tl.trans(w_odd)[None, :, :]
@@ -118,11 +112,10 @@ def nf4_gemv(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_
 
 
 @triton.jit(do_not_specialize=["M"])
-def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pair_ptr, y_ptr, part_ptr,
-            count_ptr, M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr,
+def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr, M, N,
+            stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
-            REDUCE: tl.constexpr, LOOKUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Tensor cores, weights as the wide operand: y^T [BLOCK_N, BLOCK_M] += levels [BLOCK_N, HB] @ x^T [HB, BLOCK_M]
     per block and nibble (BLOCK_N fills the MMA's 16/64-row side, the batch only its narrow one), scaled by the
     block's absmax in fp32 after the two dots; the levels are cast to x's dtype for the MMA. UPCAST: both operands
@@ -135,8 +128,8 @@ def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_p
     for kb in range(start, tl.minimum(start + PER_SPLIT, ROW_BYTES), BLOCK_K // 2):
         for r in tl.static_range(BLOCK_K // QBLOCK):
             kr = tl.multiple_of(kb + r * HB, HB)  # a block's first byte (so are PER_SPLIT and the step)
-            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
-                                                 pair_ptr, rn, kr, N, ROW_BYTES, HB, HB, NESTED, BLOCK2, LOOKUP)
+            w_even, w_odd, scale = _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn,
+                                                 kr, N, ROW_BYTES, HB, HB, NESTED, BLOCK2, SELECT)
             x_even, x_odd = _x_block(x_ptr, rm, M, stride_xm, kr, ROW_BYTES, BLOCK_M, HB)
             w_even, w_odd = w_even.to(x_even.dtype), w_odd.to(x_odd.dtype)
             if UPCAST:
