@@ -36,6 +36,14 @@ TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate":
 # (gemv with 256 columns a step, 2 rows a thread at 8 rows of x) are left out.
 CONFIGS = [
     ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
+    ("scaled_dot", dict(kernel="scaled_dot"), (8, 16, 64)),  # one MMA per 256 columns, levels scaled before it
+    ("scaled_dot_n128", dict(kernel="scaled_dot", block_n=128), (8, 16)),
+    ("scaled_dot_n32", dict(kernel="scaled_dot", block_n=32), (8, 16)),
+    ("scaled_dot_k128", dict(kernel="scaled_dot", block_k=128), (8, 16)),
+    ("scaled_dot_k512", dict(kernel="scaled_dot", block_k=512), (8, 16)),
+    ("scaled_dot_s3", dict(kernel="scaled_dot", num_stages=3), (8, 16)),
+    ("scaled_dot_w8", dict(kernel="scaled_dot", block_n=128, num_warps=8), (8, 16)),
+    ("scaled_dot_split1", dict(kernel="scaled_dot", split_k=1), (8,)),
     ("gemv", dict(kernel="gemv"), (1, 8, 16)),
     ("dot", dict(kernel="dot"), (1, 8, 16, 64)),
     ("dot_k128_s3", dict(kernel="dot", block_k=128, num_stages=3), (8, 16, 64)),  # the defaults before 2026-12-06

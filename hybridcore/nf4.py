@@ -83,7 +83,9 @@ GEMV_MAX_M = 2  # batches up to this many rows take `gemv`, larger ones `dot` (a
 # dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
 # bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower), bench/RESULTS.md 2026-12-06
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
-            "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}
+            "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
+            "scaled_dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}  # a guess, to be timed
+KERNELS = ("gemv", "dot", "scaled_dot")
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
 
@@ -94,7 +96,8 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
            num_stages: int | None = None, lookup: str = "table") -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
-    kernel: "gemv", "dot", or None (by the batch: GEMV_MAX_M); unset tiles, warps and stages come from DEFAULTS.
+    kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it), or None
+    (by the batch: GEMV_MAX_M); unset tiles, warps and stages come from DEFAULTS.
     block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
     64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
     takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
@@ -110,7 +113,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
     given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
-    bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))
+    bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64
     cfg.update(block_m=bm, vec=vec or (16 if bm <= 4 else 8), split_k=split_k, reduce=reduce, lookup=lookup)
     _check(x, w, kernel, cfg)
     lead, x2, bn, bk = x.shape[:-1], x.reshape(-1, k).contiguous(), cfg["block_n"], cfg["block_k"]
@@ -141,11 +144,11 @@ def _check(x, w, kernel, cfg) -> None:
     """The ValueErrors of matmul: everything the kernels assume about shapes, tiles and options."""
     n, k = w.shape
     pow2 = lambda v, low: isinstance(v, int) and v >= low and v & (v - 1) == 0  # noqa: E731
-    least = 16 if kernel == "dot" else 1  # tl.dot's smallest side
+    least = 1 if kernel == "gemv" else 16  # tl.dot's smallest side
     problems = [
         (x.shape[-1] != k, f"x has {x.shape[-1]} features, the weight takes {k}"),
         (x.dtype not in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}, expected a float dtype"),
-        (kernel not in ("gemv", "dot"), f"kernel {kernel!r}, expected 'gemv', 'dot' or None"),
+        (kernel not in KERNELS, f"kernel {kernel!r}, expected 'gemv', 'dot', 'scaled_dot' or None"),
         (cfg["lookup"] not in ("select", "table"), f"lookup {cfg['lookup']!r}, expected 'select' or 'table'"),
         (cfg["reduce"] not in ("serial", "atomic"), f"reduce {cfg['reduce']!r}, expected 'serial' or 'atomic'"),
         (not pow2(w.blocksize, 32) or w.blocksize > 256,
@@ -191,4 +194,4 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 def _kernel(name: str):
     """Imported on first use, so TRITON_INTERPRET can be set by then (and triton is imported only when needed)."""
     from hybridcore import nf4_kernels
-    return nf4_kernels.nf4_gemv if name == "gemv" else nf4_kernels.nf4_dot
+    return getattr(nf4_kernels, f"nf4_{name}")

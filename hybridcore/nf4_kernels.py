@@ -31,21 +31,26 @@ def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_pt
                   WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                   SELECT: tl.constexpr):
     """WIDTH bytes from byte kb of rows rn (inside one quantisation block of HB bytes): the levels of their even and
-    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (NESTED: a uint8 code into
-    code2, times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it). Bytes past the row's
-    end read as zeros and scale by 0 (K is whole blocks, so a block is all in or all out)."""
+    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (_scales). Bytes past the
+    row's end read as zeros and scale by 0 (K is whole blocks, so a block is all in or all out)."""
     ok = rn < tl.where(kb < ROW_BYTES, N, 0)  # not (rn < N) & (kb < ...): the interpreter makes that int32
     byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, WIDTH)[None, :], mask=ok[:, None], other=0)
     byte = byte.to(tl.int32)
-    block = rn * (ROW_BYTES // HB) + kb // HB
+    scale = _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn * (ROW_BYTES // HB) + kb // HB, ok, NESTED,
+                    BLOCK2)
+    return _level(byte >> 4, code_ptr, SELECT), _level(byte & 15, code_ptr, SELECT), scale
+
+
+@triton.jit
+def _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, ok, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """The fp32 absmax of quantisation blocks `block` (any shape; 0 where not ok). NESTED: a uint8 code into code2,
+    times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it."""
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0)
         scale += tl.load(offset_ptr)  # a tensor, not a float argument: torch.compile passes those as fp64
-        scale = tl.where(ok, scale, 0.0)
-    else:
-        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
-    return _level(byte >> 4, code_ptr, SELECT), _level(byte & 15, code_ptr, SELECT), scale
+        return tl.where(ok, scale, 0.0)
+    return tl.load(absmax_ptr + block, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -138,4 +143,40 @@ def nf4_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_p
             part = tl.dot(w_even, tl.trans(x_even), input_precision=PRECISION)
             part = tl.dot(w_odd, tl.trans(x_odd), part, input_precision=PRECISION)
             acc += part * scale[:, None]
+    _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def nf4_scaled_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr,
+                   M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                   REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """nf4_dot with one MMA per BLOCK_K columns instead of two per quantisation block: the levels are scaled by their
+    block's absmax in registers and interleaved back into column order ([BLOCK_N, BLOCK_K], rounded to x's dtype,
+    as bitsandbytes' dequantise-then-matmul rounds them), and x is loaded as it lies (no even/odd split). Columns
+    past the row's end (K not a multiple of BLOCK_K) are masked to zero on both sides."""
+    HB: tl.constexpr = QBLOCK // 2
+    BYTES: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // QBLOCK
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = tl.program_id(2) * PER_SPLIT
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(start, tl.minimum(start + PER_SPLIT, ROW_BYTES), BYTES):
+        kb = tl.multiple_of(kb, HB)  # so are PER_SPLIT and the step
+        cols = kb + tl.arange(0, BYTES)
+        ok = rn[:, None] < tl.where(cols[None, :] < ROW_BYTES, N, 0)  # where(): see _weight_block
+        byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + cols[None, :], mask=ok, other=0).to(tl.int32)
+        first = kb + tl.arange(0, NB) * HB  # each quantisation block's first byte
+        block_ok = rn[:, None] < tl.where(first[None, :] < ROW_BYTES, N, 0)
+        scale = _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                        rn[:, None] * (ROW_BYTES // HB) + first[None, :] // HB, block_ok, NESTED, BLOCK2)[:, :, None]
+        even = tl.reshape(tl.reshape(_level(byte >> 4, code_ptr, SELECT), (BLOCK_N, NB, HB)) * scale, (BLOCK_N, BYTES))
+        odd = tl.reshape(tl.reshape(_level(byte & 15, code_ptr, SELECT), (BLOCK_N, NB, HB)) * scale, (BLOCK_N, BYTES))
+        x_ok = rm[:, None] < tl.where(2 * kb + tl.arange(0, BLOCK_K)[None, :] < 2 * ROW_BYTES, M, 0)
+        xv = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * kb + tl.arange(0, BLOCK_K)[None, :], mask=x_ok, other=0.0)
+        w = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K)).to(xv.dtype)
+        if UPCAST:  # see nf4_dot
+            w, xv = w.to(tl.float32), xv.to(tl.float32)
+        acc = tl.dot(w, tl.trans(xv), acc, input_precision=PRECISION)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)

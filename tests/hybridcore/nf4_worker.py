@@ -89,7 +89,7 @@ def main() -> None:
         err = float((got.float() - ref).abs().max() / ref.abs().max())
         out["matmul_err"][f"{name}-{m}-{dtype}"] = err if ok else -1
     w, want = weight(N, K, seed=5, nested=False)  # an fp32 absmax (no double quantisation): the kernels' other path
-    for name, m in (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16)):
+    for name, m in (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8)):
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m))
         out["plain_err"][f"{name}-{m}"] = float((nf4.matmul(x, w, **KERNEL_CONFIGS[name]) - x @ want.T).abs().max()
                                                 / (x @ want.T).abs().max())

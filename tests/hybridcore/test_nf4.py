@@ -41,7 +41,7 @@ def test_double_quantised_absmax_is_read_in_place(results):
     assert results["absmax_uint8"] is True and results["absmax_float32"] is True
 
 
-@pytest.mark.parametrize("case", ["auto-1", "auto-8", "gemv-8", "dot-16"])
+@pytest.mark.parametrize("case", ["auto-1", "auto-8", "gemv-8", "dot-16", "scaled_dot-8"])
 def test_fused_matmul_with_a_plain_absmax(results, case):
     """The kernels' path for an fp32 absmax (a weight quantised without double quantisation), fp32 x."""
     assert 0 <= results["plain_err"][case] <= 1e-5
