@@ -45,12 +45,14 @@ def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_pt
 def _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, ok, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
     """The fp32 absmax of quantisation blocks `block` (any shape; 0 where not ok). NESTED: a uint8 code into code2,
     times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it."""
-    if NESTED:
+    if NESTED:  # one return after the if: Triton types every return of a function, constexpr branches included
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0)
         scale += tl.load(offset_ptr)  # a tensor, not a float argument: torch.compile passes those as fp64
-        return tl.where(ok, scale, 0.0)
-    return tl.load(absmax_ptr + block, mask=ok, other=0.0)
+        scale = tl.where(ok, scale, 0.0)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
+    return scale
 
 
 @triton.jit

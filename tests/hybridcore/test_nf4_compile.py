@@ -1,0 +1,84 @@
+"""Each kernel with its default tiles, compiled for an H100 (sm_90, down to its cubin) on this CPU machine, with the
+arguments nf4.matmul launches it with at a decode batch the rollout sends it (bf16, double-quantised absmax, K split
+serially, as on the GPU), plus dot's other absmax layout, x dtype and reductions. A compile takes ~3 s of CPU, so
+the tile variants bench/nf4_decode.py times are left to the GPU, where one that fails to compile is a row with its
+error. Triton's interpreter (test_nf4.py) runs the kernels as
+Python and accepts code the compiler refuses: on 2026-12-06 a helper with a return in a constexpr branch and another
+after it (typed uint8 against fp32) passed every interpreter test and failed every dot kernel on the GPU. The
+compiler here is the venv's Triton, which can be newer than the GPU machine's."""
+import pytest
+import torch
+
+from hybridcore import nf4
+
+triton = pytest.importorskip("triton")  # installed by `make setup` (Makefile): never skipped in CI
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+N, K = 96, 320  # K: 5 quantisation blocks, a partial last tile for block_k 128, 256 and 512
+POINTER = {torch.uint8: "*u8", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
+           torch.float16: "*fp16"}
+
+
+class Recorder:
+    """Stands in for a kernel: `fn[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def weight(nested: bool) -> nf4.NF4Weight:
+    """An NF4 weight's layout, double-quantised (the recipe's) or not, contents irrelevant: nothing is launched."""
+    blocks = N * K // 64
+    if not nested:
+        return nf4.NF4Weight(torch.zeros(N * K // 2, dtype=torch.uint8), torch.ones(blocks), torch.zeros(16), (N, K),
+                             64)
+    return nf4.NF4Weight(torch.zeros(N * K // 2, dtype=torch.uint8), torch.zeros(blocks, dtype=torch.uint8),
+                         torch.zeros(16), (N, K), 64, torch.ones(-(-blocks // 256)), torch.zeros(256),
+                         torch.zeros(1), 256)
+
+
+def compile_launch(fn, args, kwargs, reduce: int) -> None:
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages")}
+    constexprs = {p.name for p in fn.params if p.is_constexpr}
+    signature, values = {}, dict(zip(fn.arg_names, args))
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(values[name], torch.Tensor):
+            signature[name] = POINTER[values[name].dtype]
+        else:
+            signature[name] = "i32"
+    # the buffers nf4.matmul allocates for a reduction (on a CPU it did not split, and passed y in their place)
+    signature.update({1: {"y_ptr": "*fp32"}, 2: {"part_ptr": "*fp32", "count_ptr": "*i32"}}.get(reduce, {}))
+    src = triton.compiler.ASTSource(fn, signature, {**kwargs, "REDUCE": reduce})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+# (kernel, batch, double-quantised absmax, x dtype, split-K reduction: 0 none, 1 atomic, 2 serial)
+LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2), ("dot", 8, True, torch.bfloat16, 2),
+            ("scaled_dot", 8, True, torch.bfloat16, 2), ("dot", 16, False, torch.float32, 0),
+            ("dot", 64, True, torch.bfloat16, 1)]
+
+
+def test_every_kernel_compiles_for_sm90(monkeypatch):
+    from hybridcore import nf4_kernels
+
+    recorded, failures = [], []
+    monkeypatch.setattr(nf4, "_kernel", lambda name: Recorder(getattr(nf4_kernels, f"nf4_{name}"), recorded))
+    for kernel, m, nested, dtype, reduce in LAUNCHES:
+        nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(nested), kernel=kernel)
+        fn, args, kwargs = recorded.pop()
+        kwargs.pop("REDUCE")  # a CPU has one "SM": split_k="auto" split nothing here; on a GPU it does
+        try:
+            compile_launch(fn, args, kwargs, reduce)
+        except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
+            cause = e
+            while cause.__cause__ is not None:  # Triton's CompilationError wraps the compiler's own message
+                cause = cause.__cause__
+            failures.append(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}: "
+                            f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}")
+    assert {k for k, *_ in LAUNCHES} == set(nf4.KERNELS)
+    assert not failures, "\n".join(failures)
