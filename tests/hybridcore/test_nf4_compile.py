@@ -6,13 +6,11 @@ error. Triton's interpreter (test_nf4.py) runs the kernels as
 Python and accepts code the compiler refuses: on 2026-12-06 a helper with a return in a constexpr branch and another
 after it (typed uint8 against fp32) passed every interpreter test and failed every dot kernel on the GPU. The
 compiler here is the venv's Triton, which can be newer than the GPU machine's."""
-import pytest
 import torch
+import triton  # `make setup` installs it (CPU torch does not bring it)
+from triton.backends.compiler import GPUTarget
 
 from hybridcore import nf4
-
-triton = pytest.importorskip("triton")  # installed by `make setup` (Makefile): never skipped in CI
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
 N, K = 96, 320  # K: 5 quantisation blocks, a partial last tile for block_k 128, 256 and 512
 POINTER = {torch.uint8: "*u8", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
