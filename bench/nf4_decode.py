@@ -9,13 +9,14 @@ as one eager call gave them, against x @ dequantised(W)^T in fp32 (max |error| r
 bf16 dense multiplies the weights before quantisation, so its "error" is the quantisation's).
 CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
 skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
-(carried). Writes $OUT/nf4_decode.json, again after every row.
+(carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
     python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--budget-s 200]
     python bench/nf4_decode.py --tiny   # CPU: Triton's interpreter, toy shapes, no graphs -- the script's own check
 """
 import argparse
 import json
 import os
+import tempfile
 import sys
 import time
 
@@ -140,7 +141,7 @@ def measure(fn, weights, batch: int, graph: bool, reps: int = 20) -> dict:
 def run(a, weights, res: dict, graph: bool) -> None:
     """Every method at its batches into res["steps"][batch][name], res written out after each (a crash keeps the
     rows before it). A config that fails to compile or run is a row with its error, not the end of the run."""
-    t0, fns, path = time.time(), methods(CONFIGS), os.path.join(os.environ.get("OUT", "."), "nf4_decode.json")
+    t0, fns, path = time.time(), methods(CONFIGS), os.path.join(a.out, "nf4_decode.json")
     todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
@@ -168,7 +169,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=200.0, help="no config starts after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy shapes, one layer")
+    ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir(),
+                    help="folder for nf4_decode.json (default $OUT, else the temp folder: never the working tree)")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (nf4 imports it on first use)
         a.layers = 1
@@ -187,7 +191,8 @@ def main() -> None:
         best = f"best fused {right[0][1]} {right[0][0]:.3f} ms" if right else "no fused config right"
         base = ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in ("bnb", "bf16") if "ms" in row.get(k, {}))
         print(f"batch {b}: {base}, {best}")
-    print("skipped (budget):", res["skipped"] or "none", f"; wall {time.time() - t0:.0f} s")
+    print("skipped (budget):", res["skipped"] or "none", f"; wall {time.time() - t0:.0f} s;",
+          os.path.join(a.out, "nf4_decode.json"))
 
 
 if __name__ == "__main__":
