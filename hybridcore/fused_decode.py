@@ -52,8 +52,8 @@ def _(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksiz
 
 def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
     own = type(layer).forward
-    w = weight
-    args = (w.packed, w.absmax, w.code, w.absmax2, w.code2, w.offset, *w.shape, w.blocksize, w.blocksize2)
+    args = (weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, *weight.shape,
+            weight.blocksize, weight.blocksize2)  # the op's arguments, fixed for the rollout
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not min_rows <= x.numel() // x.shape[-1] <= max_rows:
