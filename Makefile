@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # --no-compile: Python writes the .pyc of what is imported on first import; compiling every file of every package
-# up front took ~40 s of the main venv's ~140 s install on 2 cores
+# up front took ~54 s of the main venv's 141 s install on 2 cores (2026-12-06)
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile -c requirements.lock
 
 VVENV ?= .venv-vllm

@@ -184,8 +184,8 @@ def worker(a) -> None:
                "per_rank_steps": [r["steps"] for r in every], "tokens": tokens}
         Path(a.result).write_text(json.dumps(res))
     # every rank past its last collective (and rank 0's write) before any tears the group down, as stages/rank.py
-    # does: without it a dp=2 ZeRO-2 rank aborted at exit ("terminate called without an active exception") after
-    # the result was written, in 2 of 4 fresh CI runs (2026-12-06)
+    # does. Without it a dp=2 ZeRO-2 rank aborted at exit ("terminate called without an active exception"), after
+    # the result was written, in 2 of 4 fresh CI runs (2026-12-06); not reproduced outside CI, so a likely cause
     parallel.barrier()
     actor.close()
     parallel.shutdown()

@@ -10,14 +10,14 @@ bf16 dense multiplies the weights before quantisation, so its "error" is the qua
 CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
 skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
 (carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
-    python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--budget-s 200]
+    python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--budget-s 200] [--out DIR]
     python bench/nf4_decode.py --tiny   # CPU: Triton's interpreter, toy shapes, no graphs -- the script's own check
 """
 import argparse
 import json
 import os
-import tempfile
 import sys
+import tempfile
 import time
 
 import torch

@@ -148,7 +148,7 @@ def _check(x, w, kernel, cfg) -> None:
     problems = [
         (x.shape[-1] != k, f"x has {x.shape[-1]} features, the weight takes {k}"),
         (x.dtype not in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}, expected a float dtype"),
-        (kernel not in KERNELS, f"kernel {kernel!r}, expected 'gemv', 'dot', 'scaled_dot' or None"),
+        (kernel not in KERNELS, f"kernel {kernel!r}, expected {', '.join(map(repr, KERNELS))} or None"),
         (cfg["lookup"] not in ("select", "table"), f"lookup {cfg['lookup']!r}, expected 'select' or 'table'"),
         (cfg["reduce"] not in ("serial", "atomic"), f"reduce {cfg['reduce']!r}, expected 'serial' or 'atomic'"),
         (not pow2(w.blocksize, 32) or w.blocksize > 256,

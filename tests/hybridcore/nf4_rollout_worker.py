@@ -16,8 +16,8 @@ from hybridcore import nf4  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters  # noqa: E402
 from hybridcore.fused_decode import FusedNf4Decode, linear4bit_layers  # noqa: E402
-from hybridcore.rollout import StaticKVCache, decode_step  # noqa: E402
 from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer  # noqa: E402
+from hybridcore.rollout import StaticKVCache, decode_step  # noqa: E402
 
 TEXTS = [f"item {i} costs {i * 7 % 50} coins and weighs {i * 3 % 20} grams" for i in range(60)]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

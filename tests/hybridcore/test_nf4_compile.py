@@ -2,15 +2,16 @@
 arguments nf4.matmul launches it with at a decode batch the rollout sends it (bf16, double-quantised absmax, K split
 serially, as on the GPU), plus dot's other absmax layout, x dtype and reductions. A compile takes ~3 s of CPU, so
 the tile variants bench/nf4_decode.py times are left to the GPU, where one that fails to compile is a row with its
-error. Triton's interpreter (test_nf4.py) runs the kernels as
-Python and accepts code the compiler refuses: on 2026-12-06 a helper with a return in a constexpr branch and another
-after it (typed uint8 against fp32) passed every interpreter test and failed every dot kernel on the GPU. The
-compiler here is the venv's Triton, which can be newer than the GPU machine's."""
+error. Triton's interpreter (test_nf4.py) runs the kernels as Python and accepts code the compiler refuses: on
+2026-12-06 a helper with a return in a constexpr branch and another after it (typed uint8 against fp32) passed every
+interpreter test and failed every kernel on the GPU. The compiler here is the venv's Triton, which can be newer than
+the GPU machine's."""
 import torch
 import triton  # `make setup` installs it (CPU torch does not bring it)
 from triton.backends.compiler import GPUTarget
 
 from hybridcore import nf4
+from tests.hybridcore.nf4_worker import weight
 
 N, K = 96, 320  # K: 5 quantisation blocks, a partial last tile for block_k 128, 256 and 512
 POINTER = {torch.uint8: "*u8", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
@@ -25,17 +26,6 @@ class Recorder:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
-
-
-def weight(nested: bool) -> nf4.NF4Weight:
-    """An NF4 weight's layout, double-quantised (the recipe's) or not, contents irrelevant: nothing is launched."""
-    blocks = N * K // 64
-    if not nested:
-        return nf4.NF4Weight(torch.zeros(N * K // 2, dtype=torch.uint8), torch.ones(blocks), torch.zeros(16), (N, K),
-                             64)
-    return nf4.NF4Weight(torch.zeros(N * K // 2, dtype=torch.uint8), torch.zeros(blocks, dtype=torch.uint8),
-                         torch.zeros(16), (N, K), 64, torch.ones(-(-blocks // 256)), torch.zeros(256),
-                         torch.zeros(1), 256)
 
 
 def compile_launch(fn, args, kwargs, reduce: int) -> None:
@@ -68,7 +58,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while unset; 1 is its (and 3.6's) default
     monkeypatch.setattr(nf4, "_kernel", lambda name: Recorder(getattr(nf4_kernels, f"nf4_{name}"), recorded))
     for kernel, m, nested, dtype, reduce in LAUNCHES:
-        nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(nested), kernel=kernel)
+        nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(N, K, seed=0, nested=nested)[0], kernel=kernel)
         fn, args, kwargs = recorded.pop()
         kwargs.pop("REDUCE")  # a CPU has one "SM": split_k="auto" split nothing here; on a GPU it does
         try:
