@@ -79,12 +79,15 @@ class NF4Weight:
         return (flat * scale).reshape(self.shape).to(dtype)
 
 
-GEMV_MAX_M = 2  # batches up to this many rows take `gemv`, larger ones `dot` (a guess: see the module docstring)
+GEMV_MAX_M = 2  # batches up to this many rows take `gemv` (a guess: see the module docstring),
+SCALED_DOT_MAX_M = 16  # up to this many `scaled_dot` (timed at 8 and 16 rows), larger ones `dot`
 # dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
-# bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower), bench/RESULTS.md 2026-12-06
+# bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower); scaled_dot with 128-column blocks: 7.46
+# ms at batch 8 and 7.50 at 16 in the same run as dot's 8.24 and 8.31 (256-column blocks 7.68), the fastest of the
+# 46 configs timed; bench/RESULTS.md 2026-12-06
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
-            "scaled_dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}  # a guess, to be timed
+            "scaled_dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=1)}
 KERNELS = ("gemv", "dot", "scaled_dot")
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
@@ -97,7 +100,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
     kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it), or None
-    (by the batch: GEMV_MAX_M); unset tiles, warps and stages come from DEFAULTS.
+    (by the batch: GEMV_MAX_M, SCALED_DOT_MAX_M); unset tiles, warps and stages come from DEFAULTS.
     block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
     64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
     takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
@@ -110,7 +113,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
 
     n, k = w.shape
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
+    kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "scaled_dot" if m <= SCALED_DOT_MAX_M else "dot")
     given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
     bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64

@@ -252,8 +252,9 @@ class Rollout(_Section):
     # rollout batch, or under engine.memory_budget_gib the largest chunk the planner measures to fit
     chunk_size: Optional[int] = Field(None, gt=0)
     # how the native rollout decodes a 4-bit actor's linears: bitsandbytes' own path, or the fused NF4 kernel
-    # (hybridcore/fused_decode.py; CUDA)
-    decode_4bit: Literal["bitsandbytes", "fused"] = "bitsandbytes"
+    # (hybridcore/fused_decode.py; CUDA); auto: fused on a GPU (a 25 % shorter GRPO step at 8B, bench/RESULTS.md
+    # 2026-12-06), bitsandbytes on a CPU
+    decode_4bit: Literal["auto", "bitsandbytes", "fused"] = "auto"
     vllm: Vllm = Vllm()
 
 

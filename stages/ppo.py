@@ -432,6 +432,15 @@ def backend_options(p, prompts: list[list[int]], n_new: int) -> dict:
             "max_model_len": max(len(x) for x in prompts) + n_new}
 
 
+def fused_decode(p, device: torch.device) -> bool:
+    """engine.rollout.decode_4bit: whether the native rollout decodes the 4-bit actor's linears through the fused
+    NF4 kernel; auto: on a GPU (its Triton kernel runs on CUDA only; bitsandbytes' own path on a CPU)."""
+    r = p.engine.rollout
+    if r.decode_4bit != "auto":
+        return r.decode_4bit == "fused"
+    return device.type == "cuda" and r.backend == "native" and p.engine.roles.actor.quantization == "4bit"
+
+
 @dataclass
 class Loop:
     """What one PPO run holds between iterations."""
@@ -513,7 +522,7 @@ def build(p, m: Models, tok, ps, n_new: int, rewards: Rewards, sink) -> Loop:
     chunk, offload, rollout_metrics = rollout_plan(p, m, engines, tok, prompts, n_new, sink)
     plan_metrics.update(rollout_metrics)
     actor = HybridActor(m.policy, tok, checkpointing(p, "actor"), chunk_size=chunk,
-                        fused_4bit=p.engine.rollout.decode_4bit == "fused",
+                        fused_4bit=fused_decode(p, m.policy.device),
                         optimizer=engines[0].optimizer if offload else None,
                         offload_optimizer=offload, backend=p.engine.rollout.backend,
                         backend_options=backend_options(p, prompts, n_new),
