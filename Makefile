@@ -37,7 +37,11 @@ run: setup
 serve: setup
 	$(VENV)/bin/hybrid-rlhf serve
 
-test: test-main test-vllm
+# the vllm venv installs while the main tests run (its ~4 minutes of downloads and unpacking use cores the tests
+# leave idle); its own tests run after them
+test:
+	$(MAKE) --no-print-directory -j2 test-main $(VSTAMP)
+	$(MAKE) --no-print-directory test-vllm
 
 test-main: setup
 	$(PY) -m pytest -q -m "not vllm" --durations=40 $(PYTEST_ARGS)
