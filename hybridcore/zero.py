@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +23,23 @@ from hybridcore.parallel import Groups, Layout, ensure_process_group
 # A persistent folder for DeepSpeed's JIT-built ops (CPUAdam takes ~1-2 min to build once); .gitignore has it.
 DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parent.parent / ".torch_extensions"
 TAG = "engine"
+STALE_BUILD_S = 900  # an op builds here in 1.5-2.5 min; a build lock this old was left by a build that was killed
+
+
+def clear_stale_build_locks(root: Path, older_than_s: float = STALE_BUILD_S) -> list[Path]:
+    """torch's JIT build holds ROOT/OP/lock while it compiles, and a second process waits for that file to go,
+    forever: a build killed mid-way (Ctrl-C, a timeout) leaves it behind and every later DeepSpeed run would hang
+    without a word. Locks older than `older_than_s` are removed, each named on stderr."""
+    removed = []
+    for lock in sorted(root.glob("*/lock")):
+        with contextlib.suppress(FileNotFoundError):  # another rank may remove it first
+            age = time.time() - lock.stat().st_mtime
+            if age > older_than_s:
+                lock.unlink()
+                removed.append(lock)
+                print(f"removed {lock}: a DeepSpeed op build's lock left {age / 60:.0f} min ago by a build that "
+                      f"did not finish; the op builds again", file=sys.stderr)
+    return removed
 
 
 def ds_config(layout: Layout, bf16: bool, max_grad_norm: float, micro_batch: int, cpu_adam: bool,
@@ -111,6 +130,7 @@ class DeepSpeedEngine(Engine):
         if self.groups is not None and self.groups.world != self.layout.world:
             raise ValueError(f"groups are for world {self.groups.world}, layout for {self.layout.world}")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+        clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
         ensure_process_group()
         world = torch.distributed.get_world_size()
         if world != self.layout.world:

@@ -2,6 +2,9 @@
 included; checkpoints resume exactly; ZeRO-3 refuses what it would get wrong."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -9,7 +12,7 @@ from hybridcore import optim
 from hybridcore.errors import InputError, NotYetSupported
 from hybridcore.parallel import Layout
 from hybridcore.engine import Engine, backend_for, make_engine
-from hybridcore.zero import ds_config
+from hybridcore.zero import STALE_BUILD_S, clear_stale_build_locks, ds_config
 from bench.micro import BATCH, MICRO, STEP_KW, batch, micro_model, token_loss
 
 F32 = 4
@@ -152,3 +155,17 @@ def test_bf16_model_trains_with_fp32_master_weights():
     held = engine.held_bytes()
     assert engine.module.model.embed_tokens.weight.dtype == torch.bfloat16
     assert held["params"] == 2 * n_params and held["optimizer"] == F32 * (3 * n_params + 2)
+
+
+def test_a_killed_builds_lock_is_removed_and_a_running_builds_kept(tmp_path, capsys):
+    """A build killed mid-way leaves OP/lock, on which torch's next build would wait forever."""
+    old, fresh = tmp_path / "cpu_adam" / "lock", tmp_path / "deepspeed_shm_comm" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    past = time.time() - STALE_BUILD_S - 60
+    os.utime(old, (past, past))
+    assert clear_stale_build_locks(tmp_path) == [old]
+    assert not old.exists() and fresh.exists()
+    err = capsys.readouterr().err
+    assert str(old) in err and "did not finish" in err and len(err.strip().splitlines()) == 1
