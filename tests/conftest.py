@@ -32,13 +32,13 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | N
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def lower_priority(nice: int) -> None:
-    """In a child after setsid: its nice value, and its autogroup's. With autogrouping (Linux's default on desktop
-    kernels, and this machine's) a new session gets a group of its own that shares the CPU equally with the
-    others whatever its processes' nice values; the group's own nice value is what makes it yield."""
-    os.nice(nice)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text(str(nice))
+def group_args(nice: int) -> dict:
+    """Popen arguments for a run in its own process group (stop() kills the group), at `nice`. A run that yields
+    stays in this session: under autogrouping (Linux's default, and this machine's) every session gets its own
+    share of the CPU whatever its processes' nice values, so a niced run in a new session would not yield."""
+    if not nice:
+        return {"start_new_session": True}
+    return {"process_group": 0, "preexec_fn": lambda: os.nice(nice)}
 
 
 class Started:
@@ -52,8 +52,7 @@ class Started:
         self.files = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
         with open(self.files[0], "w") as out, open(self.files[1], "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, stdout=out,
-                                         stderr=err, start_new_session=True,
-                                         preexec_fn=(lambda: lower_priority(nice)) if nice else None)
+                                         stderr=err, **group_args(nice))
         self.t0 = time.time()
         self.seconds: float | None = None
 
@@ -97,9 +96,14 @@ def tiny_run(tmp_path_factory) -> PipelineRun:
 # ------------------------------------------------------------------------------------------- background runs
 # A CI run leaves about 30 % of its two cores idle (processes starting, servers coming up, single-threaded steps;
 # `vmstat` over a whole run, 2026-12-06). The pipeline runs that only a few tests read start at the session's
-# start instead, at nice 19 and one thread each, so they use that idle time and yield to the tests in the
+# start instead, at nice 15 and one thread each, so they use that idle time and yield to the tests in the
 # foreground; the tests that read them run last, when the runs are (mostly) done.
 BACKGROUND = ("users_runs",)  # session fixtures that start background runs
+# One thread each, and the waits that a starved process can outlast made long: the local Prefect server's start
+# (90 s by default; at nice 19 one did not come up in that time while the tests in front kept both cores busy)
+# and each request to it (60 s).
+YIELDING = {**ONE_THREAD, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1200",
+            "PREFECT_API_REQUEST_TIMEOUT": "1200"}
 _WANTED = pytest.StashKey[list]()
 
 
@@ -139,7 +143,7 @@ def users_runs(tmp_path_factory):
     for name in USERS_RUNS:
         sets = [x for kind, path in files[name].items() for x in ("--set", f"data.{kind}.path={path}")]
         runs[name] = folders[name], Started(["run", str(ROOT / "params" / "tiny.yaml"), *sets, "--summary-json",
-                                             "summary.json"], folders[name], "run", extra_env=ONE_THREAD, nice=19)
+                                             "summary.json"], folders[name], "run", extra_env=YIELDING, nice=15)
     # then, once `count` has ended well, its GRPO and DPO recipes over its artifacts (SFT a cache hit)
     count = folders["count"]
     (count / "exact.py").write_text("def exact(prompts, responses, rows):\n"
@@ -155,7 +159,7 @@ def users_runs(tmp_path_factory):
             for preset in COUNT_RECIPES:
                 (count / preset).mkdir()
                 recipes[preset] = Started(["run", preset, *sets, "--summary-json", "summary.json"], count / preset,
-                                          "run", extra_env=ONE_THREAD, nice=19)
+                                          "run", extra_env=YIELDING, nice=15)
 
     runs["count recipes"] = threading.Thread(target=after_count, daemon=True), recipes
     runs["count recipes"][0].start()
