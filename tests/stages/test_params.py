@@ -170,6 +170,25 @@ def test_fused_4bit_decode_needs_a_4bit_actor_and_the_native_rollout(over, found
     assert "engine.rollout.decode_4bit: fused" in msg and found in msg and "\n" not in msg
 
 
+QLORA_ACTOR = {"quantization": "4bit", "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"]}}
+
+
+@pytest.mark.parametrize("rollout, actor, device, fused", [
+    ({}, QLORA_ACTOR, "cuda", True),                       # the default, auto: the fused kernel on a GPU
+    ({}, QLORA_ACTOR, "cpu", False),                       # ... bitsandbytes on a CPU
+    ({}, {}, "cuda", False),                               # ... and nothing to fuse without a 4-bit actor
+    ({"backend": "vllm"}, QLORA_ACTOR, "cuda", False),     # ... or with vLLM rolling out
+    ({"decode_4bit": "bitsandbytes"}, QLORA_ACTOR, "cuda", False),
+    ({"decode_4bit": "fused"}, QLORA_ACTOR, "cpu", True),  # asked for: its transition names what it needs
+])
+def test_decode_4bit_auto_is_the_fused_kernel_on_a_gpu(rollout, actor, device, fused):
+    import torch
+    from stages.ppo import fused_decode
+    p = load_params("test", {"engine": {"rollout": rollout, "roles": {"actor": actor}}})
+    assert p.engine.rollout.decode_4bit == rollout.get("decode_4bit", "auto")
+    assert fused_decode(p, torch.device(device)) is fused
+
+
 def test_rollout_chunk_size_must_be_positive():
     msg = _error({"engine": {"rollout": {"chunk_size": 0}}})
     assert "engine.rollout.chunk_size" in msg
