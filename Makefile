@@ -12,7 +12,7 @@ VVENV ?= .venv-vllm
 VPY := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
 
-.PHONY: setup run test test-main test-vllm vllm-venv-niced serve lock lock-vllm clean
+.PHONY: setup run test test-main test-vllm serve lock lock-vllm clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,7 @@ run: setup
 serve: setup
 	$(VENV)/bin/hybrid-rlhf serve
 
-# the vllm venv installs while the main tests run, at nice 19 (its ~4 minutes of downloads and unpacking take cores
-# the tests leave idle, not theirs); its own tests run after them
-test:
-	$(MAKE) --no-print-directory -j2 test-main vllm-venv-niced
-	$(MAKE) --no-print-directory test-vllm
-
-vllm-venv-niced: setup   # after the main venv: both editable installs write the same hybrid_rlhf.egg-info
-	nice -n 19 $(MAKE) --no-print-directory $(VSTAMP)
+test: test-main test-vllm
 
 test-main: setup
 	$(PY) -m pytest -q -m "not vllm" --durations=40 $(PYTEST_ARGS)

@@ -17,40 +17,61 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests import tasks
-from tests.conftest import COUNT_RECIPES, PipelineRun, Started, assert_learns
+from tests.conftest import ONE_THREAD, ROOT, PipelineRun, Started, assert_learns
+
+
+RUNS = ("conversational", "count", "repeat")
+
+
+def start_on_files(folder: Path, paths: dict[str, Path]) -> Started:
+    sets = [x for kind, path in paths.items() for x in ("--set", f"data.{kind}.path={path}")]
+    return Started(["run", str(ROOT / "params" / "tiny.yaml"), *sets, "--summary-json", "summary.json"], folder,
+                   "run", extra_env=ONE_THREAD)
 
 
 def finished(folder: Path, started: Started) -> PipelineRun:
-    """The run's result; it started in the background at the session's start (tests/conftest.py's users_runs), so
-    its timeout spans the suite before it."""
-    proc = started.result(timeout=3000)
+    proc = started.result(timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return PipelineRun(folder, json.loads((folder / "summary.json").read_text()), proc.stdout + proc.stderr,
                        started.seconds)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This process runs one thread here: plain transformers beside the runs still going (one thread each)."""
+@pytest.fixture(scope="module")
+def started_runs(tmp_path_factory) -> dict[str, tuple[Path, Started]]:
+    """The three runs on users' files (independent folders, keys and stores) start together, one thread each, and
+    share the cores while the first one's tests already run; each fixture below waits for its own. This process
+    also runs one thread while they do (plain transformers here beside them)."""
+    from stages import example_files
+    from stages.params import load_params
+    folders = {name: tmp_path_factory.mktemp(name) for name in RUNS}
+    files = {"conversational": example_files.write(folders["conversational"] / "data", load_params("tiny"),
+                                                   conversational=True),
+             "count": tasks.count_files(folders["count"] / "data"),
+             "repeat": tasks.repeat_files(folders["repeat"] / "data")}
+    runs = {name: (folders[name], start_on_files(folders[name], files[name])) for name in RUNS}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield runs
+    finally:
+        torch.set_num_threads(threads)
+        for _, started in runs.values():
+            started.stop()
 
 
 @pytest.fixture(scope="module")
-def conversational_run(users_runs) -> PipelineRun:
-    return finished(*users_runs["conversational"])
+def conversational_run(started_runs) -> PipelineRun:
+    return finished(*started_runs["conversational"])
 
 
 @pytest.fixture(scope="module")
-def count_run(users_runs) -> PipelineRun:
-    return finished(*users_runs["count"])
+def count_run(started_runs) -> PipelineRun:
+    return finished(*started_runs["count"])
 
 
 @pytest.fixture(scope="module")
-def repeat_run(users_runs) -> PipelineRun:
-    return finished(*users_runs["repeat"])
+def repeat_run(started_runs) -> PipelineRun:
+    return finished(*started_runs["repeat"])
 
 
 def folder(run: PipelineRun, stage: str) -> Path:
@@ -172,23 +193,38 @@ def judge(run: PipelineRun, fresh: dict[str, Path], conversational: bool) -> Non
     assert acc["ppo"] >= acc["sft"] + 0.05, acc
 
 
-def test_count_with_grpo_and_dpo_judged_by_plain_transformers(count_run, users_runs):
+def test_count_with_grpo_and_dpo_judged_by_plain_transformers(count_run):
     """The other recipes on the held-out task with their presets' settings (tiny-grpo: a verifier of the user's own,
-    exact match on the `answer` column, no RM; tiny-dpo: the user's preference pairs), started once count_run
-    ended (tests/conftest.py's users_runs): SFT is count_run's cache hit, and on fresh prompts each exported policy
-    beats SFT's greedy answers by >= 5 points of exact match under plain transformers."""
-    thread, runs = users_runs["count recipes"]
-    thread.join(timeout=60)
-    assert sorted(runs) == sorted(COUNT_RECIPES)
-    fresh = tasks.count_files(count_run.workdir / "fresh-recipes", seed=98, n_sft=2, n_prefs=2, n_prompts=200)
-    prompts = [json.loads(x) for x in fresh["prompts"].read_text().splitlines()]
-    sft = plain_answers(folder(count_run, "sft"), [q["prompt"] for q in prompts], 24)
-    for preset, policy in (("tiny-grpo", "ppo"), ("tiny-dpo", "dpo")):
-        proc = runs[preset].result(timeout=3000)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        s = json.loads((count_run.workdir / preset / "summary.json").read_text())["stages"]
-        assert s["sft"]["cached"] and s["sft"]["key"] == count_run.summary["stages"]["sft"]["key"]
-        answers = plain_answers(Path(s[policy]["artifact"]) / "model", [q["prompt"] for q in prompts], 24)
-        acc = {name: sum(normalised(a) == normalised(q["answer"]) for a, q in zip(out, prompts)) / len(prompts)
-               for name, out in (("sft", sft), (policy, answers))}
-        assert acc[policy] >= acc["sft"] + 0.05, (preset, acc)
+    exact match on the `answer` column, no RM; tiny-dpo: the user's preference pairs): SFT is count_run's cache
+    hit, and on fresh prompts each exported policy beats SFT's greedy answers by >= 5 points of exact match under
+    plain transformers. The two runs go together (one thread each, each in its own folder over count_run's
+    artifacts folder)."""
+    verifier = count_run.workdir / "exact.py"
+    verifier.write_text("def exact(prompts, responses, rows):\n"
+                        "    return [float(' '.join(r.split()) == ' '.join(str(row['answer']).split()))\n"
+                        "            for r, row in zip(responses, rows)]\n")
+    data = count_run.workdir / "data"
+    sets = [x for kind in ("sft", "preferences", "prompts") for x in ("--set", f"data.{kind}.path={data / kind}.jsonl")]
+    sets += ["--set", f"pipeline.artifacts_dir={count_run.workdir / 'artifacts'}"]
+    runs = {}
+    try:
+        for preset in ("tiny-grpo", "tiny-dpo"):
+            (count_run.workdir / preset).mkdir()
+            runs[preset] = Started(["run", preset, *sets, "--set", f"ppo.reward_function={verifier}:exact",
+                                    "--summary-json", "summary.json"], count_run.workdir / preset, "run",
+                                   extra_env=ONE_THREAD)
+        fresh = tasks.count_files(count_run.workdir / "fresh-recipes", seed=98, n_sft=2, n_prefs=2, n_prompts=200)
+        prompts = [json.loads(x) for x in fresh["prompts"].read_text().splitlines()]
+        sft = plain_answers(folder(count_run, "sft"), [q["prompt"] for q in prompts], 24)
+        for preset, policy in (("tiny-grpo", "ppo"), ("tiny-dpo", "dpo")):
+            proc = runs[preset].result(timeout=1200)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            s = json.loads((count_run.workdir / preset / "summary.json").read_text())["stages"]
+            assert s["sft"]["cached"] and s["sft"]["key"] == count_run.summary["stages"]["sft"]["key"]
+            answers = plain_answers(Path(s[policy]["artifact"]) / "model", [q["prompt"] for q in prompts], 24)
+            acc = {name: sum(normalised(a) == normalised(q["answer"]) for a, q in zip(out, prompts)) / len(prompts)
+                   for name, out in (("sft", sft), (policy, answers))}
+            assert acc[policy] >= acc["sft"] + 0.05, (preset, acc)
+    finally:
+        for started in runs.values():
+            started.stop()
