@@ -2,13 +2,14 @@
 
 bitsandbytes' 4-bit path dequantises the whole weight to bf16 for every call and then multiplies, so a decode step
 at batch 8 reads each weight three times (4-bit in, bf16 out, bf16 in again), and a decode step is bound by the
-bytes it reads: these kernels read the packed weight once and multiply as they go. Two kernels, because the batch
-decides what runs out first: for a row or two the fp32 FMAs are few (`gemv`); beyond that they outgrow the
-dequantisation and the tensor cores take them (`dot`, the weight as the MMA's wide operand). K is split among
+bytes it reads: these kernels read the packed weight once and multiply as they go. More than one kernel, because the
+batch decides what runs out first: for a row or two the fp32 FMAs are few (`gemv`); beyond that they outgrow the
+dequantisation and the tensor cores take them (`dot`, the weight as the MMA's wide operand; `scaled_dot`, the same
+with one MMA per tile of K, the levels scaled before it, the fastest at 3-16 rows). K is split among
 programs because a step's narrow linears (k/v: 1024 rows) would leave most SMs idle, and the splits are added up
 inside the kernel because a zeroed buffer and a cast would be two more launches for each of a step's 224 linears.
-The switch-over batch (GEMV_MAX_M) and the default tiles are guesses until bench/nf4_decode.py has timed them on a
-GPU. K must be whole quantisation blocks (true of the usual hidden sizes), so that a block's absmax is one row's.
+The default tiles and SCALED_DOT_MAX_M were timed on an H100 (bench/nf4_decode.py, bench/RESULTS.md); GEMV_MAX_M is
+still a guess (one-row steps stay on bitsandbytes, which is faster there). K must be whole quantisation blocks (true of the usual hidden sizes), so that a block's absmax is one row's.
 
 Training keeps bitsandbytes' own path; this is for inference on weights that do not change inside a rollout.
 `NF4Weight.from_bnb` reads a bitsandbytes Params4bit (double quantisation resolved once to fp32 absmax);
@@ -79,8 +80,8 @@ class NF4Weight:
         return (flat * scale).reshape(self.shape).to(dtype)
 
 
-GEMV_MAX_M = 2  # batches up to this many rows take `gemv` (a guess: see the module docstring),
-SCALED_DOT_MAX_M = 16  # up to this many `scaled_dot` (timed at 8 and 16 rows), larger ones `dot`
+GEMV_MAX_M = 2  # batches up to this many rows take `gemv` (a guess: see the module docstring)
+SCALED_DOT_MAX_M = 16  # then up to this many `scaled_dot` (timed at 8 and 16 rows), larger ones `dot`
 # dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
 # bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower); scaled_dot with 128-column blocks: 7.46
 # ms at batch 8 and 7.50 at 16 in the same run as dot's 8.24 and 8.31 (256-column blocks 7.68), the fastest of the
