@@ -399,13 +399,18 @@ def load_params(preset: str = "tiny", overrides: Optional[dict] = None) -> Param
 
 
 
+def fusable_4bit_decode(e: Engine) -> bool:
+    """What the fused NF4 decode needs (engine.rollout.decode_4bit): a 4-bit actor rolled out by the native backend."""
+    return e.rollout.backend == "native" and e.roles.actor.quantization == "4bit"
+
+
 def check_supported(p: Params) -> None:
     """Engine options whose code has not landed yet are refused up front, naming the issue that brings them."""
     e = p.engine
     check_stages(p)
     check_roles(p)
     check_layout(p)
-    if e.rollout.decode_4bit == "fused" and (e.rollout.backend != "native" or e.roles.actor.quantization != "4bit"):
+    if e.rollout.decode_4bit == "fused" and not fusable_4bit_decode(e):
         raise InputError(f"engine.rollout.decode_4bit: fused, but the actor is {e.roles.actor.quantization} and the "
                          f"backend {e.rollout.backend}; expected engine.roles.actor.quantization: 4bit with the "
                          f"native backend (or decode_4bit: bitsandbytes)")

@@ -39,6 +39,7 @@ from stages import estimators
 from stages.common import (Resumable, StepLog, check_prompt_room, checkpointed, checkpointing,
                            context_of, export, finite, frozen, load_policy, load_scorer, lora_spec, optimizer_metrics, planned,
                            role_precision, seed_all, tp_split, trainer, with_lora)
+from stages.params import fusable_4bit_decode
 from stages.rewards import Responses, Rewards
 
 
@@ -438,7 +439,7 @@ def fused_decode(p, device: torch.device) -> bool:
     r = p.engine.rollout
     if r.decode_4bit != "auto":
         return r.decode_4bit == "fused"
-    return device.type == "cuda" and r.backend == "native" and p.engine.roles.actor.quantization == "4bit"
+    return device.type == "cuda" and fusable_4bit_decode(p.engine)
 
 
 @dataclass
