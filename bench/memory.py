@@ -239,19 +239,22 @@ class Bench:
         return Responses(self.it, [text(p) for p in self.prompts], [text(r) for r in responses],
                          [{} for _ in responses])
 
-    def actor(self, offload: bool, fused: bool = False) -> HybridActor:
-        if (offload, fused) not in self.actors:
+    def actor(self, offload: bool, fused: bool = False, backend: str = "native") -> HybridActor:
+        """The hybrid actor of a row: the native rollout (fused: its 4-bit decode through the fused kernel), or
+        backend "hf", transformers' generate on the same weights (the peer's rollout)."""
+        key = offload, fused, backend
+        if key not in self.actors:
             opts = {} if self.device.type != "cuda" else {"compile": None if self.a.rollout_compile == "auto" else False}
             if self.rollout_fallback:
                 opts = {"cuda_graph": False, "compile": False}
-            self.actors[offload, fused] = HybridActor(self.m.policy, self.tok, activation_checkpointing=True,
-                                                      optimizer=self.engines[0].optimizer if offload else None,
-                                                      offload_optimizer=offload, backend="native",
-                                                      backend_options=opts, fused_4bit=fused)
-        return self.actors[offload, fused]
+            self.actors[key] = HybridActor(self.m.policy, self.tok, activation_checkpointing=True,
+                                           optimizer=self.engines[0].optimizer if offload else None,
+                                           offload_optimizer=offload, backend=backend,
+                                           backend_options=opts if backend == "native" else {}, fused_4bit=fused)
+        return self.actors[key]
 
-    def rollout(self, offload: bool, fused: bool = False) -> list[list[int]]:
-        actor = self.actor(offload, fused)
+    def rollout(self, offload: bool, fused: bool = False, backend: str = "native") -> list[list[int]]:
+        actor = self.actor(offload, fused, backend)
         if offload:
             actor.reserve_host_states()  # pinned once, outside the transition, as stages/ppo.py does
         with self.ledger.phase("rollout") as mem, self.m.use("actor"), actor.rollout():
@@ -261,26 +264,26 @@ class Bench:
         return out
 
     def step(self, micro: int = 2, rollout: bool = True, offload: bool = False, frozen: bool = True,
-             fused: bool = False, host_states: bool = False) -> dict:
+             fused: bool = False, host_states: bool = False, backend: str = "native") -> dict:
         """One PPO step; returns the ledger's record of each phase and the update's statistics. host_states: the
         engines' AdamW moments in host memory between optimizer steps for this step (engine.optimizer_states)."""
         if not host_states:
-            return self._step(micro, rollout, offload, frozen, fused)
+            return self._step(micro, rollout, offload, frozen, fused, backend)
         for e in self.engines:
             e.host_states = optim.HostStates(e.optimizer)
             e.host_states.to_host()  # the states the earlier rows' steps created
         try:
-            return self._step(micro, rollout, offload, frozen, fused)
+            return self._step(micro, rollout, offload, frozen, fused, backend)
         finally:
             for e in self.engines:
                 e.host_states.to_device()
                 e.host_states = None
 
-    def _step(self, micro: int, rollout: bool, offload: bool, frozen: bool, fused: bool) -> dict:
+    def _step(self, micro: int, rollout: bool, offload: bool, frozen: bool, fused: bool, backend: str) -> dict:
         cfg = self.cfg(micro)
         self.it += 1
         t0 = time.perf_counter()
-        responses = self.rollout(offload, fused) if rollout else self.responses
+        responses = self.rollout(offload, fused, backend) if rollout else self.responses
         if rollout:
             self.responses = responses
         step = PpoStep(cfg, self.m, self.engines, self.rewards(cfg), micro, phase=self.ledger.phase)
@@ -295,8 +298,10 @@ class Bench:
         sync(self.device)
         total = time.perf_counter() - t0
         recs = self.ledger.last if self.ledger.metrics() else {}
-        st = self.actor(offload, fused).last_stats if rollout else {}
+        st = self.actor(offload, fused, backend).last_stats if rollout else {}
         decode = {"decode_ms_per_token": 1000 * st["decode_s"] / max(st["steps"] - 1, 1)} if "decode_s" in st else {}
+        if rollout and not decode and "rollout" in recs:  # generate keeps no stats: the whole rollout per token
+            decode = {"rollout_ms_per_token": 1000 * recs["rollout"].seconds / self.new}
         return {"phases": {k: record(r) for k, r in recs.items()}, "step_s": total, "stats": stats, **decode}
 
     def scorers(self) -> list:
@@ -386,7 +391,9 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("optimizer states on the host", {"host_states": True}, "every engine's AdamW moments in pinned CPU "
                                                                     "memory between steps (engine.optimizer_states)"),
             ("fused 4-bit decode", {"fused": True}, "decode steps' 4-bit linears through the fused NF4 kernel "
-                                                    "(engine.rollout.decode_4bit: fused)")]
+                                                    "(engine.rollout.decode_4bit: fused)"),
+            ("transformers generate (peer)", {"backend": "hf"}, "the rollout through transformers' generate (dynamic "
+                                                                "cache) on the same 4-bit + LoRA model: a peft user's")]
 GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "optimizer states on the host", "fused 4-bit decode")
 PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the ablation table's columns
           "grpo": ("rollout", "scoring", "actor_update")}
@@ -413,7 +420,7 @@ def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
         with ctx:
             out = b.step(micro=sw.get("micro", 2), rollout=sw.get("rollout", True), offload=sw.get("offload", False),
                          frozen=sw.get("frozen", True), fused=sw.get("fused", False),
-                         host_states=sw.get("host_states", False))
+                         host_states=sw.get("host_states", False), backend=sw.get("backend", "native"))
         row.update(out)
         if not sw.get("rollout", True) and "rollout" in res.get("default", {}).get("phases", {}):
             row["phases"]["rollout"] = {**res["default"]["phases"]["rollout"], "reused": True}
@@ -487,7 +494,8 @@ def markdown(res: dict) -> str:
             peak = "OOM" if "oom" in r else gib(r.get("peak_gib"))
             s = "" if "oom" in r or "phase_s" not in r else f"{r['phase_s']:.1f}"
             cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in phases]
-            dec = f"{r['decode_ms_per_token']:.1f}" if "decode_ms_per_token" in r else ""
+            dec = (f"{r['decode_ms_per_token']:.1f}" if "decode_ms_per_token" in r else
+                   f"({r['rollout_ms_per_token']:.1f})" if "rollout_ms_per_token" in r else "")
             lines.append(f"| {r['row']} | {peak} | {s} | {dec} | " + " | ".join(cells) + f" | {note.strip()} |")
     return "\n".join(lines) + "\n"
 
@@ -532,11 +540,16 @@ def main() -> int:
     ap.add_argument("--estimator", choices=("gae", "grpo"), default="gae",
                     help="gae: actor, critic and reward model; grpo: the actor alone, 1 prompt x 8, a Python reward")
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--rows", nargs="+", metavar="ROW",
+                    help="run only these rows after the default (names as in the table, e.g. 'fused 4-bit decode')")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
     if a.estimator == "grpo" and a.rm == "cpu":
         ap.error("--rm cpu: --estimator grpo builds no reward model")
+    known = [r[0] for r in rows_for(a.shape, a.estimator)]
+    if a.rows and set(a.rows) - set(known):
+        ap.error(f"--rows: no row {sorted(set(a.rows) - set(known))} for this shape and estimator; expected some of {known}")
     a.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     cuda = a.shape != "tiny"
@@ -595,7 +608,8 @@ def main() -> int:
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []
-    for name, sw, what in rows_for(a.shape, a.estimator):
+    rows = rows_for(a.shape, a.estimator)
+    for name, sw, what in [r for r in rows if not a.rows or r[0] in a.rows]:
         left = a.budget_s - (time.perf_counter() - t_start)
         est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
         if left < est * 1.3:
