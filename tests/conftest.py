@@ -17,6 +17,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# `make test` runs the suite in two pytest-xdist workers (CI's machine has two cores). Each worker, and every process
+# it starts, computes on one thread: two workers x one thread fill the two cores, where two-thread OpenMP regions
+# would stall whenever the other worker holds a core. Set before torch is imported.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+# The slowest groups of tests, in the order the workers should take them (measured: make test-main's durations):
+# a worker takes the next group when it runs out, so a long group left for last would keep one worker busy alone.
+SLOW_FIRST = ["tests/flows/test_users_data.py", "tiny-run", "tests/flows/test_pipeline_dp2.py",
+              "tests/stages/test_tp_stages.py", "tests/bench/test_multi_gpu_tiny.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group the tests for pytest-xdist (--dist loadgroup): a module's tests run in one worker (its module-scoped
+    fixtures are built once), and every module that uses the session's tiny run shares one group (the run is made
+    once). The slowest groups go first."""
+    uses_tiny = {item.path for item in items if "tiny_run" in item.fixturenames}
+    group = {id(item): "tiny-run" if item.path in uses_tiny else str(item.path.relative_to(ROOT)) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group[id(item)]))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(group[id(item)], len(rank)))  # stable: the rest keep their order
+
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """`hybrid-rlhf ARGS` in a fresh process, in `cwd` (where .prefect/, mlruns/ and artifacts/ go)."""
