@@ -3,8 +3,10 @@ that only reads its results (artifacts, summary, MLflow store) shares that run."
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,18 +31,41 @@ if WORKER:
 # a worker takes the next group when it runs out, so a long group left for last would keep one worker busy alone.
 SLOW_FIRST = ["tests/flows/test_users_data.py", "tiny-run", "tests/flows/test_pipeline_dp2.py",
               "tests/stages/test_tp_stages.py", "tests/bench/test_multi_gpu_tiny.py"]
+# The session's tiny run and the fixtures built on it: every module naming one of these runs in one worker.
+TINY_RUN_FIXTURES = ("tiny_run", "tiny_artifacts", "two_runs", "mlflow_ui")
+
+
+@functools.cache
+def group_of(module: str) -> str:
+    """A test module's group (path relative to ROOT): "tiny-run" where it uses the session's tiny run (made once,
+    and several modules write into its folder), else the module itself (its module-scoped fixtures built once).
+    Read from the source, because pytest-xdist's controller schedules by node id and never imports the tests."""
+    text = (ROOT / module).read_text()
+    return "tiny-run" if any(re.search(rf"\b{name}\b", text) for name in TINY_RUN_FIXTURES) else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole groups (group_of), in collection order (--no-loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::", 1)[0])
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for pytest-xdist (--dist loadgroup): a module's tests run in one worker (its module-scoped
-    fixtures are built once), and every module that uses the session's tiny run shares one group (the run is made
-    once). The slowest groups go first."""
-    uses_tiny = {item.path for item in items if "tiny_run" in item.fixturenames}
-    group = {id(item): "tiny-run" if item.path in uses_tiny else str(item.path.relative_to(ROOT)) for item in items}
+    """The slowest groups first (the rest keep their order); a module that reaches the tiny run through a fixture
+    TINY_RUN_FIXTURES does not name is an error (its group would make the run a second time)."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[id(item)]))
+        module = str(item.path.relative_to(ROOT))
+        if "tiny_run" in item.fixturenames and group_of(module) != "tiny-run":
+            raise pytest.UsageError(f"{module} uses the tiny_run fixture through one that tests/conftest.py's "
+                                    f"TINY_RUN_FIXTURES does not list; add it there")
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(group[id(item)], len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(group_of(str(item.path.relative_to(ROOT))), len(rank)))
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None) -> subprocess.CompletedProcess:
