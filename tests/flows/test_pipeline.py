@@ -62,7 +62,8 @@ def test_artifacts_are_verified_hf_folders(tiny_run):
 
 
 def test_second_run_is_all_cached_and_fast(tiny_run):
-    """Same params again: every stage is a cache hit, the same artifacts, under 60 s wall."""
+    """Same params again: every stage is a cache hit, the same artifacts, in under half the first run's wall time
+    (a relative bound: two test workers and a busy CI machine slow both runs alike)."""
     t0 = time.time()
     proc = run_cli(["run", str(ROOT / "params" / "tiny.yaml"), "--summary-json", "again.json"], tiny_run.workdir)
     wall = time.time() - t0
@@ -72,7 +73,7 @@ def test_second_run_is_all_cached_and_fast(tiny_run):
         assert again["stages"][stage]["cached"] is True
         assert again["stages"][stage]["key"] == tiny_run.summary["stages"][stage]["key"]
         assert again["stages"][stage]["metrics"] == tiny_run.summary["stages"][stage]["metrics"]
-    assert wall < 60, wall
+    assert wall < 0.5 * tiny_run.seconds, (wall, tiny_run.seconds)
 
 
 def test_changing_ppo_params_reruns_only_ppo(tiny_run):
