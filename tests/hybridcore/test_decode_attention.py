@@ -1,14 +1,14 @@
 """The flash-decoding attention (hybridcore/decode_attention.py) under Triton's interpreter against the plain masked
-softmax over the filled columns, and the calls it refuses. The kernels run in a process of their own
-(decode_attention_worker.py): TRITON_INTERPRET only takes effect when set before triton is first imported. The
-refusals are checked here: they come before any kernel is imported."""
+softmax over the filled columns, the native rollout's greedy tokens through it against SDPA's, and the calls it
+refuses. The kernels run in a process of their own (decode_attention_worker.py): TRITON_INTERPRET only takes effect
+when set before triton is first imported. The refusals are checked here: they come before any kernel is imported."""
 from pathlib import Path
 
 import pytest
 import torch
 
 from hybridcore import decode_attention
-from tests.hybridcore.decode_attention_worker import CASES
+from tests.hybridcore.decode_attention_worker import CASES, NEW_TOKENS, PROMPTS
 from tests.hybridcore.interpreted import run_interpreted
 
 WORKER = Path(__file__).with_name("decode_attention_worker.py")
@@ -17,6 +17,11 @@ WORKER = Path(__file__).with_name("decode_attention_worker.py")
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_interpreted(WORKER)
+
+
+@pytest.fixture(scope="module")
+def rollouts(results) -> dict:
+    return results["rollouts"]
 
 
 @pytest.mark.parametrize("g, d, dtype, filled", CASES)
@@ -41,6 +46,34 @@ def test_filled_as_a_0d_int32_tensor(results):
 
 def test_a_row_with_nothing_to_attend_gives_zeros_not_nan(results):
     assert results["masked_row"] == 0.0
+
+
+def test_rollout_through_the_kernel_gives_sdpas_greedy_tokens(rollouts):
+    """A Qwen2 with 2 query heads a KV head (head_dim 32), 4 left-padded prompts, rows stopping at EOS and rows
+    running to the end, decode steps crossing from one chunk of the cache into the next: the same greedy tokens,
+    the same log-probs to fp32 rounding."""
+    sdpa, filled = rollouts["sdpa"], rollouts["filled"]
+    assert len(sdpa["tokens"]) == PROMPTS and filled["tokens"] == sdpa["tokens"]
+    assert any(len(r) < NEW_TOKENS for r in sdpa["tokens"]) and any(len(r) == NEW_TOKENS for r in sdpa["tokens"])
+    for a, b in zip(filled["logps"], sdpa["logps"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert (sdpa["attention"], filled["attention"]) == ("sdpa", "filled")
+
+
+def test_only_the_decode_steps_attend_through_the_kernel(rollouts):
+    """Once per layer (2) and decode step (the first token comes from the prefill), one query row per query head of
+    a KV head; the prefill stays on SDPA, and attention="sdpa" never calls the kernel."""
+    assert rollouts["filled"]["calls"] == 2 * (NEW_TOKENS - 1) and rollouts["filled"]["query_rows"] == [2]
+    assert rollouts["sdpa"]["calls"] == 0
+
+
+def test_the_decode_step_compiles_to_one_graph_around_the_kernel(rollouts):
+    """torch.compile sees the kernel as one opaque op (hybridcore::decode_attention): the whole step is one graph,
+    no break; through aot_eager (the op's fake, functionalisation) its logits are the plain step's, and SDPA's to
+    fp32 rounding."""
+    got = rollouts["compiled_step"]
+    assert (got["graphs"], got["breaks"]) == (1, 0), got
+    assert got["max_diff"] < 1e-5 and got["sdpa_diff"] < 1e-5, got
 
 
 def call(q=(2, 2, 4, 64), k=(2, 2, 48, 64), dtype=torch.float32, mask=(2, 48), filled=torch.tensor([5]), **cfg):

@@ -323,6 +323,30 @@ def test_unknown_backend_is_refused(tok):
         HybridActor(build_preset("micro", tok, seed=0), tok, backend="vllm-ish")
 
 
+def test_decode_attention_is_the_filled_columns_kernel_on_cuda(tok, prompts, monkeypatch):
+    """attention="auto" decodes through the kernel that reads only the filled cache columns on CUDA where it takes
+    the model's heads, else through SDPA (a CPU rollout says so in last_stats); an explicit "filled" that cannot run
+    is an error naming why; an unknown value is refused. The kernel itself: test_decode_attention.py."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = gqa_model(tok, seed=1)  # head_dim 32, 2 query heads a KV head
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert NativeRollout(model)._resolve_attention(cuda) == "filled"
+    assert NativeRollout(model, attention="sdpa")._resolve_attention(cuda) == "sdpa"
+    actor = HybridActor(model, tok)
+    with actor.rollout():
+        actor.generate(prompts[:2], 3, greedy=True)
+    assert actor.backend.last_stats["attention"] == "sdpa"
+    with pytest.raises(RuntimeError, match="attention='filled' runs a Triton kernel on CUDA"):
+        NativeRollout(model, attention="filled")._resolve_attention(cpu)
+    odd = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1))  # head_dim 48
+    assert NativeRollout(odd)._resolve_attention(cuda) == "sdpa"
+    with pytest.raises(ValueError, match="cannot take this model's heads: head_dim 48, expected a power of two"):
+        NativeRollout(odd, attention="filled")._resolve_attention(cuda)
+    with pytest.raises(ValueError, match="attention 'flash', expected one of auto, sdpa, filled"):
+        NativeRollout(model, attention="flash")
+
+
 def test_rollouts_stop_at_any_stop_token(tok, prompts, eos_model):
     """Several stop ids (EOS and a chat template's end of turn): each row ends at the first of either, exactly as
     generate with a list of eos ids; HybridActor stops at EOS and the template's <|im_end|>."""
