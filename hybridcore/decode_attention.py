@@ -99,6 +99,28 @@ def _(q, k, v, mask, filled, scale):
     return q.new_empty(q.shape)
 
 
+@functools.cache
+def self_check(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None if the kernels run and match `reference` on a small random input of these heads on `device` (two
+    chunks, the second part-filled, a masked hole), else what went wrong, in one line. Once per process and shape:
+    the rollout checks before it decodes through them, so a Triton that builds them differently on some GPU costs
+    a warning and SDPA's speed, not a failed or silently wrong run."""
+    chunk = DEFAULTS["partials"]["chunk"]
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(2, 1, group, head_dim, device=device, generator=gen).to(dtype)
+        k, v = (torch.randn(2, 1, 2 * chunk, head_dim, device=device, generator=gen).to(dtype) for _ in range(2))
+        mask = torch.ones(2, 2 * chunk, dtype=torch.bool, device=device)
+        mask[1, :5] = False
+        filled = torch.tensor([chunk + 3], device=device)
+        ref = reference(q, k, v, mask, filled, head_dim ** -0.5)
+        err = float((attend(q, k, v, mask, filled, head_dim ** -0.5).float() - ref).abs().max() / ref.abs().max())
+    except Exception as e:  # noqa: BLE001 -- any failure to build or run the kernels is the answer
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[-1][:300] if first else ''}"
+    return None if err < 2e-2 else f"its output is {err:.3g} off the reference (relative), expected < 0.02"
+
+
 def reference(q, k, v, mask, filled, scale: float) -> torch.Tensor:
     """The same attention in plain torch and fp32 (reads `filled` on the host): what the kernels are held to."""
     n = int(filled.reshape(-1)[0])

@@ -294,6 +294,7 @@ class NativeRollout:
         self.capacity_multiple = capacity_multiple
         self._decoder: _Decoder | None = None
         self.compile_error: str | None = None  # the first automatic compile's failure (then the plain step)
+        self.attention_error: str | None = None  # why auto took sdpa where the kernel's self-check failed
         self._saved_attention = None
         self.last_stats: dict[str, float] = {}
         self.last_logprobs: torch.Tensor | None = None
@@ -321,20 +322,31 @@ class NativeRollout:
         return self.compile
 
     def _resolve_attention(self, device) -> str:
-        """"sdpa" or "filled" for this model on `device` (see __init__); an explicit "filled" that cannot run
-        is an error naming why."""
-        if self.attention == "sdpa":
+        """"sdpa" or "filled" for this model on `device` (see __init__). The kernel is checked against its
+        reference first (decode_attention.self_check): where that fails, auto warns and takes sdpa; an explicit
+        "filled" is an error naming why, there and for heads or a device the kernel cannot take."""
+        if self.attention == "sdpa" or self.attention == "auto" and device.type != "cuda":
             return "sdpa"
         heads, kv_heads, head_dim = head_shape(self.model.config)
         problem = decode_attention.unsupported(head_dim, heads // kv_heads)
-        if self.attention == "auto":
-            return "filled" if device.type == "cuda" and problem is None else "sdpa"
         if problem is not None:
-            raise ValueError(f"native rollout: attention='filled' cannot take this model's heads: {problem}")
+            if self.attention == "filled":
+                raise ValueError(f"native rollout: attention='filled' cannot take this model's heads: {problem}")
+            return "sdpa"
         if not decode_attention.runs_on(device):
             raise RuntimeError("native rollout: attention='filled' runs a Triton kernel on CUDA (on a CPU only "
                                "under Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or 'sdpa'")
-        return "filled"
+        dtype = next(self.model.parameters()).dtype  # the KV cache's (StaticKVCache.allocate)
+        problem = decode_attention.self_check(head_dim, heads // kv_heads, dtype, device)
+        if problem is None:
+            return "filled"
+        if self.attention == "filled":
+            raise ValueError(f"native rollout: attention='filled', but the kernel failed its self-check: {problem}")
+        if self.attention_error is None:
+            warnings.warn(f"native rollout: the filled-columns attention kernel failed its self-check ({problem}); "
+                          "decoding with SDPA over the whole cache", RuntimeWarning, stacklevel=4)
+        self.attention_error = problem
+        return "sdpa"
 
     def _decoder_for(self, batch: int, length: int, device) -> _Decoder:
         d = self._decoder

@@ -47,7 +47,7 @@ def error(got, q, k, v, mask, filled) -> float:
 
 
 def rollout(model, tok, prompts, attention: str) -> dict:
-    """One greedy rollout with `attention`, counting the kernel's launches and the query rows each was given."""
+    """One greedy rollout with `attention`, recording the (batch, query rows) of every launch of the kernels."""
     from hybridcore import decode_attention
     from hybridcore.actor import HybridActor
 
@@ -55,7 +55,7 @@ def rollout(model, tok, prompts, attention: str) -> dict:
     launch = decode_attention.launch
 
     def counted(q, *args, **kwargs):
-        calls.append(q.shape[2])
+        calls.append(list(q.shape[::2]))
         return launch(q, *args, **kwargs)
     decode_attention.launch = counted
     try:
@@ -65,8 +65,7 @@ def rollout(model, tok, prompts, attention: str) -> dict:
             logps = actor.last_logprobs
     finally:
         decode_attention.launch = launch
-    return {"tokens": tokens, "logps": logps, "calls": len(calls), "query_rows": sorted(set(calls)),
-            "attention": actor.backend.last_stats["attention"]}
+    return {"tokens": tokens, "logps": logps, "calls": calls, "attention": actor.backend.last_stats["attention"]}
 
 
 def compiled_step(model) -> dict:
@@ -115,6 +114,9 @@ def kernels() -> dict:
     out["int32_scalar_filled"] = float((scalar - got).abs().max())
     q, k, v, mask, filled = inputs(4, 64, "float32", 1)  # row 1's one column is masked
     out["masked_row"] = float(decode_attention.launch(q, k, v, mask, filled, 0.125, **SMALL)[1].abs().max())
+    out["self_check"] = {f"{d}-{g}-{dtype}": decode_attention.self_check(d, g, getattr(torch, dtype),
+                                                                          torch.device("cpu"))
+                         for d, g, dtype in ((128, 6, "bfloat16"), (64, 1, "float32"))}
     return out
 
 

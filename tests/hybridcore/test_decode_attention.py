@@ -48,6 +48,11 @@ def test_a_row_with_nothing_to_attend_gives_zeros_not_nan(results):
     assert results["masked_row"] == 0.0
 
 
+def test_self_check_passes(results):
+    """What the rollout runs before it decodes through the kernels (default tiles): None, nothing wrong."""
+    assert results["self_check"] == {"128-6-bfloat16": None, "64-1-float32": None}
+
+
 def test_rollout_through_the_kernel_gives_sdpas_greedy_tokens(rollouts):
     """A Qwen2 with 2 query heads a KV head (head_dim 32), 4 left-padded prompts, rows stopping at EOS and rows
     running to the end, decode steps crossing from one chunk of the cache into the next: the same greedy tokens,
@@ -62,9 +67,11 @@ def test_rollout_through_the_kernel_gives_sdpas_greedy_tokens(rollouts):
 
 def test_only_the_decode_steps_attend_through_the_kernel(rollouts):
     """Once per layer (2) and decode step (the first token comes from the prefill), one query row per query head of
-    a KV head; the prefill stays on SDPA, and attention="sdpa" never calls the kernel."""
-    assert rollouts["filled"]["calls"] == 2 * (NEW_TOKENS - 1) and rollouts["filled"]["query_rows"] == [2]
-    assert rollouts["sdpa"]["calls"] == 0
+    a KV head; the prefill stays on SDPA, and attention="sdpa" never calls the kernel. Before the rollout, the
+    kernel's self-check once (2 rows)."""
+    calls = rollouts["filled"]["calls"]
+    assert calls == [[2, 2]] + [[PROMPTS, 2]] * (2 * (NEW_TOKENS - 1))
+    assert rollouts["sdpa"]["calls"] == []
 
 
 def test_the_decode_step_compiles_to_one_graph_around_the_kernel(rollouts):
