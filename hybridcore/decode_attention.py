@@ -10,7 +10,8 @@ never `filled`, and nothing waits on the host, so a CUDA graph captured once rep
 
 torch.compile sees it as one custom op (`torch.ops.hybridcore.decode_attention`), as fused_decode.py does the NF4
 kernel: traced into, the launcher's Python would break the compiled decode step. DEFAULTS are untimed guesses until
-bench/decode_attention.py times them. `reference` is the plain-torch attention the tests hold the kernels to. On a
+bench/decode_attention.py times them. `reference` is the plain-torch attention the tests hold the kernels to, and
+`self_check` what the rollout runs before it decodes through them (it falls back to SDPA where that fails). On a
 CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported:
 tests/hybridcore/decode_attention_worker.py runs in a process of its own for that), which is how CI tests them.
 """
@@ -22,7 +23,8 @@ import os
 import torch
 
 # untimed guesses (bench/decode_attention.py times the alternatives): partials: 128 columns a program in tiles of 64
-# (at the Llama-3-8B decode shape, 8 rows x 8 KV heads, a 1,536-column cache is 768 programs, ~6 an H100 SM);
+# (at the Llama-3-8B decode shape, 8 rows x 8 KV heads, a cache filled to 1,536 columns keeps 768 programs at work,
+# ~6 an H100 SM);
 # combine: 16 chunks a step (one step up to 2,048 columns)
 DEFAULTS = {"partials": dict(chunk=128, block_n=64, num_warps=4, num_stages=2),
             "combine": dict(block_c=16, num_warps=2)}
