@@ -70,8 +70,8 @@ def launch(q, k, v, mask, filled, scale: float, chunk: int | None = None, block_
     _check(q, k, v, mask, filled, cfg)
     q = q if q.stride(-1) == 1 else q.contiguous()
     mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
-    B, H, G, D = q.shape
-    chunks = triton.cdiv(k.shape[2], cfg["chunk"])
+    (B, H, G, D), C = q.shape, k.shape[2]
+    chunks = triton.cdiv(C, cfg["chunk"])
     m = torch.empty((B * H, chunks, G), dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty((B * H, chunks, G, D), dtype=torch.float32, device=q.device)
@@ -80,10 +80,10 @@ def launch(q, k, v, mask, filled, scale: float, chunk: int | None = None, block_
     upcast = type(partials).__name__ == "InterpretedFunction"  # see attention_partials' UPCAST
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # fp32 q: full-precision products
     partials[(B * H, chunks)](
-        q, k, v, mask, filled, m, l_, acc, scale, G, H, chunks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k, v, mask, filled, m, l_, acc, scale, G, H, C, chunks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         mask.stride(0), D=D, G_PAD=max(16, _pow2(G)), CHUNK=cfg["chunk"], BLOCK_N=cfg["block_n"],
         PRECISION=precision, UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    combine[(B * H * G,)](m, l_, acc, filled, out, G, H, chunks, *out.stride()[:3], D=D, CHUNK=cfg["chunk"],
+    combine[(B * H * G,)](m, l_, acc, filled, out, G, H, C, chunks, *out.stride()[:3], D=D, CHUNK=cfg["chunk"],
                           BLOCK_C=min(cfg["block_c"], _pow2(chunks)), num_warps=cfg["combine_warps"])
     return out
 

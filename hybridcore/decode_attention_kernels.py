@@ -13,7 +13,7 @@ def _weight(m, top):
 
 
 @triton.jit
-def attention_partials(q_ptr, k_ptr, v_ptr, mask_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, scale, G, HKV, CHUNKS,
+def attention_partials(q_ptr, k_ptr, v_ptr, mask_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, scale, G, HKV, C, CHUNKS,
                        stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh,
                        stride_vc, stride_mask, D: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -24,7 +24,7 @@ def attention_partials(q_ptr, k_ptr, v_ptr, mask_ptr, filled_ptr, m_ptr, l_ptr, 
     multiplies bf16 as raw integers."""
     bh, chunk = tl.program_id(0), tl.program_id(1)  # a chunk's programs first: those past `filled` come last
     start = chunk * CHUNK
-    filled = tl.load(filled_ptr)
+    filled = tl.minimum(tl.load(filled_ptr), C)  # never past the cache, whatever the tensor says
     if start >= filled:
         return
     b, h = (bh // HKV).to(tl.int64), bh % HKV  # int64: a cache past 2**31 elements
@@ -64,7 +64,7 @@ def attention_partials(q_ptr, k_ptr, v_ptr, mask_ptr, filled_ptr, m_ptr, l_ptr, 
 
 
 @triton.jit
-def attention_combine(m_ptr, l_ptr, acc_ptr, filled_ptr, out_ptr, G, HKV, CHUNKS, stride_ob, stride_oh, stride_og,
+def attention_combine(m_ptr, l_ptr, acc_ptr, filled_ptr, out_ptr, G, HKV, C, CHUNKS, stride_ob, stride_oh, stride_og,
                       D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program b * HKV * G + h * G + g: the softmax over the chunks attention_partials wrote (those before
     `filled`), BLOCK_C chunks at a time: their max first, then sum(l e^(m - max)) and sum(acc e^(m - max)), their
@@ -72,7 +72,7 @@ def attention_combine(m_ptr, l_ptr, acc_ptr, filled_ptr, out_ptr, G, HKV, CHUNKS
     row = tl.program_id(0)
     bh, g = row // G, row % G
     b, h = (bh // HKV).to(tl.int64), bh % HKV
-    chunks = tl.cdiv(tl.load(filled_ptr), CHUNK)
+    chunks = tl.cdiv(tl.minimum(tl.load(filled_ptr), C), CHUNK)
     rc, rd = tl.arange(0, BLOCK_C), tl.arange(0, D)
     first = bh.to(tl.int64) * CHUNKS * G + g  # chunk c of this (row, head) at first + c * G
     top = tl.full((BLOCK_C,), float("-inf"), tl.float32)

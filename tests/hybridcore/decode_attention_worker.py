@@ -112,6 +112,9 @@ def kernels() -> dict:
     got = decode_attention.launch(q, k, v, mask, filled, 0.125, **SMALL)
     scalar = decode_attention.launch(q, k, v, mask, filled.to(torch.int32).reshape(()), 0.125, **SMALL)
     out["int32_scalar_filled"] = float((scalar - got).abs().max())
+    q, k, v, mask, filled = inputs(4, 64, "float32", C)
+    past, whole = (decode_attention.launch(q, k, v, mask, f, 0.125, **SMALL) for f in (torch.tensor([C + 50]), filled))
+    out["filled_past_capacity"] = float((past - whole).abs().max())
     q, k, v, mask, filled = inputs(4, 64, "float32", 1)  # row 1's one column is masked
     out["masked_row"] = float(decode_attention.launch(q, k, v, mask, filled, 0.125, **SMALL)[1].abs().max())
     out["self_check"] = {f"{d}-{g}-{dtype}": decode_attention.self_check(d, g, getattr(torch, dtype),

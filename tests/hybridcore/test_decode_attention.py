@@ -44,6 +44,11 @@ def test_filled_as_a_0d_int32_tensor(results):
     assert results["int32_scalar_filled"] == 0.0
 
 
+def test_filled_past_the_capacity_reads_only_the_cache(results):
+    """A `filled` beyond C (the rollout never passes one) is read as C, not as a licence to read past the cache."""
+    assert results["filled_past_capacity"] == 0.0
+
+
 def test_a_row_with_nothing_to_attend_gives_zeros_not_nan(results):
     assert results["masked_row"] == 0.0
 
