@@ -4,7 +4,9 @@
 Decoding one token for a batch is about a thousand small kernels that each read weights once: the step is
 bound by launch overhead and kernel count, not by arithmetic. So on CUDA the one-token step is compiled
 (inductor fuses the norms, rotary, activations and cache writes: ~14 kernels a layer instead of ~35), then
-captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. `hf` is plain
+captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. Its attention reads
+only the cache columns written so far through a Triton kernel on CUDA (hybridcore/decode_attention.py; SDPA
+over the whole preallocated cache otherwise). `hf` is plain
 transformers `generate`, kept as the baseline the native loop is tested and benchmarked against.
 
 Both take a left-padded batch ([B, P] ids and 0/1 mask) and return the new tokens [B, n] (n <= max_new),
@@ -22,20 +24,24 @@ from transformers import AttentionInterface, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from hybridcore import decode_attention
 from hybridcore.adapters import mixed_precision
 from hybridcore.batch import position_ids
 from hybridcore.tensor_parallel import local_kv_heads, tp_state
 
 ATTENTION = "hybrid_rollout"
+ATTENTIONS = ("auto", "sdpa", "filled")  # NativeRollout(attention=...): auto = filled on CUDA, else sdpa
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                      **kwargs):
+                      filled=None, **kwargs):
     """SDPA that folds the query heads sharing one KV head into the query axis.
 
     With a padding mask, transformers' sdpa path repeats K/V once per query head before the kernel: for a
     6:1 grouped-query model that copies the whole cache six times per layer per step. Folded, each cached
     K/V is read once. Attends to the first mask.shape[-1] cache columns (the prefill passes a shorter mask).
+    filled: the columns written so far, a device tensor that decode_step passes through the model's kwargs
+    when the rollout's attention is "filled"; a one-token step then reads only those (decode_attention.attend).
     """
     if sliding_window is not None:
         raise NotImplementedError("the native rollout backend has no sliding-window attention yet")
@@ -45,6 +51,10 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     Hkv, L = key.shape[1], attention_mask.shape[-1]
     g = H // Hkv
     q = query.reshape(B, Hkv, g * Q, D)  # head h = kv * g + r, so rows are (r, q) with r major
+    if filled is not None and Q == 1 and not dropout and decode_attention.runs_on(query.device):
+        out = decode_attention.attend(q, key[:, :, :L], value[:, :, :L], attention_mask.reshape(B, L), filled,
+                                      D ** -0.5 if scaling is None else scaling)
+        return out.reshape(B, H, Q, D).transpose(1, 2), None
     mask = attention_mask if Q == 1 else attention_mask.unsqueeze(2).expand(B, 1, g, Q, L).reshape(B, 1, g * Q, L)
     out = F.scaled_dot_product_attention(q, key[:, :, :L], value[:, :, :L], attn_mask=mask, dropout_p=dropout,
                                          scale=scaling)
@@ -70,10 +80,8 @@ class StaticKVCache:
     def allocate(cls, config, batch: int, capacity: int, dtype, device, kv_heads: int | None = None
                  ) -> "StaticKVCache":
         """kv_heads: this rank's (a tensor-parallel model holds num_key_value_heads / tp); default the config's."""
-        heads = config.num_attention_heads
-        kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = (batch, kv_heads, capacity, head_dim)
+        _, config_kv_heads, head_dim = head_shape(config)
+        shape = (batch, kv_heads or config_kv_heads, capacity, head_dim)
         n = config.num_hidden_layers
         return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)],
                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)])
@@ -93,13 +101,23 @@ class StaticKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-def decode_step(model, tokens, positions, column, mask, keys, values) -> torch.Tensor:
+def head_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a decoder's config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def decode_step(model, tokens, positions, column, mask, keys, values, attention: str = "sdpa") -> torch.Tensor:
     """Feed `tokens` [B, 1] at cache `column`: next-token logits [B, V]. Advances column and positions and
     marks the column in `mask` [B, capacity], all in place, so the step can be replayed from a graph. A plain
-    function of tensors, so torch.compile guards on shapes, not on which decoder's buffers it is given."""
+    function of tensors, so torch.compile guards on shapes, not on which decoder's buffers it is given.
+    attention "filled": the model's attention is also given `filled` = column + 1, a tensor computed inside the
+    step (so inside a captured graph), and reads only the columns before it; "sdpa": the whole cache, masked."""
     mask.index_fill_(1, column, True)
+    extra = {"filled": column + 1} if attention == "filled" else {}
     out = model(input_ids=tokens, attention_mask=mask[:, None, None, :], position_ids=positions,
-                past_key_values=StaticKVCache(keys, values, column), use_cache=True, logits_to_keep=1)
+                past_key_values=StaticKVCache(keys, values, column), use_cache=True, logits_to_keep=1, **extra)
     positions.add_(1)
     column.add_(1)
     return out.logits[:, -1]
@@ -177,11 +195,13 @@ def _capture_stream(device) -> "torch.cuda.Stream":
 class _Decoder:
     """The static state of one (batch size, capacity): KV cache, input/output buffers, the captured graph."""
 
-    def __init__(self, model, batch: int, capacity: int, cuda_graph: bool, compile: bool | None):
+    def __init__(self, model, batch: int, capacity: int, cuda_graph: bool, compile: bool | None,
+                 attention: str = "sdpa"):
         """compile: True compiles the step (an error if that fails); None compiles it but falls back to the
-        plain step, with a warning and `compile_error` set, if compiling fails; False never compiles."""
+        plain step, with a warning and `compile_error` set, if compiling fails; False never compiles.
+        attention: decode_step's, "sdpa" or "filled"."""
         p = next(model.parameters())
-        self.model, self.batch, self.capacity = model, batch, capacity
+        self.model, self.batch, self.capacity, self.attention = model, batch, capacity, attention
         self.cache = StaticKVCache.allocate(model.config, batch, capacity, p.dtype, p.device,
                                             kv_heads=local_kv_heads(model))
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
@@ -218,7 +238,7 @@ class _Decoder:
     @torch.no_grad()  # also when called outside generate (a profiler): a compiled step must not trace autograd
     def _forward(self) -> torch.Tensor:
         return self.step_fn(self.model, self.tokens, self.positions, self.column, self.mask, self.cache.keys,
-                            self.cache.values)
+                            self.cache.values, self.attention)
 
     def _capture(self) -> None:
         """Warm up on the capture stream (lazy inits, cuBLAS workspace), reset, then record the step once.
@@ -255,20 +275,26 @@ class NativeRollout:
     name = "native"
 
     def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
-                 capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS):
+                 capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS,
+                 attention: str = "auto"):
         """cuda_graph: None = on for CUDA models. compile: run the decode step through torch.compile; None = on
         where the step is a CUDA graph (falling back to the plain step, with a warning, if compiling fails).
         It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
         later rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in
         chunks of about this many tokens over the batch, so its activations stay small beside the KV cache, which
-        is allocated whole before the prefill."""
-        self.model = model
+        is allocated whole before the prefill. attention: how decode steps attend, "filled" (the Triton kernel
+        that reads only the cache columns written so far: CUDA), "sdpa" (the whole cache, masked) or "auto"
+        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa."""
+        if attention not in ATTENTIONS:
+            raise ValueError(f"native rollout: attention {attention!r}, expected one of {', '.join(ATTENTIONS)}")
+        self.model, self.attention = model, attention
         self.prefill_tokens = prefill_tokens
         self.cuda_graph, self.compile = cuda_graph, compile
         self.stop_check_every = stop_check_every
         self.capacity_multiple = capacity_multiple
         self._decoder: _Decoder | None = None
         self.compile_error: str | None = None  # the first automatic compile's failure (then the plain step)
+        self.attention_error: str | None = None  # why auto took sdpa where the kernel's self-check failed
         self._saved_attention = None
         self.last_stats: dict[str, float] = {}
         self.last_logprobs: torch.Tensor | None = None
@@ -295,6 +321,33 @@ class NativeRollout:
             return None if graph else False
         return self.compile
 
+    def _resolve_attention(self, device) -> str:
+        """"sdpa" or "filled" for this model on `device` (see __init__). The kernel is checked against its
+        reference first (decode_attention.self_check): where that fails, auto warns and takes sdpa; an explicit
+        "filled" is an error naming why, there and for heads or a device the kernel cannot take."""
+        if self.attention == "sdpa" or self.attention == "auto" and device.type != "cuda":
+            return "sdpa"
+        heads, kv_heads, head_dim = head_shape(self.model.config)
+        problem = decode_attention.unsupported(head_dim, heads // kv_heads)
+        if problem is not None:
+            if self.attention == "filled":
+                raise ValueError(f"native rollout: attention='filled' cannot take this model's heads: {problem}")
+            return "sdpa"
+        if not decode_attention.runs_on(device):
+            raise RuntimeError("native rollout: attention='filled' runs a Triton kernel on CUDA (on a CPU only "
+                               "under Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or 'sdpa'")
+        dtype = next(self.model.parameters()).dtype  # the KV cache's (StaticKVCache.allocate)
+        problem = decode_attention.self_check(head_dim, heads // kv_heads, dtype, device)
+        if problem is None:
+            return "filled"
+        if self.attention == "filled":
+            raise ValueError(f"native rollout: attention='filled', but the kernel failed its self-check: {problem}")
+        if self.attention_error is None:
+            warnings.warn(f"native rollout: the filled-columns attention kernel failed its self-check ({problem}); "
+                          "decoding with SDPA over the whole cache", RuntimeWarning, stacklevel=4)
+        self.attention_error = problem
+        return "sdpa"
+
     def _decoder_for(self, batch: int, length: int, device) -> _Decoder:
         d = self._decoder
         if d is None or d.batch != batch or d.capacity < length:
@@ -306,7 +359,7 @@ class NativeRollout:
             if compile is None and self.compile_error:  # failed once: not again every rollout (seconds, memory)
                 compile = False
             capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
-            self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile)
+            self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile, self._resolve_attention(device))
             self.compile_error = self.compile_error or d.compile_error
         d.reset()
         return d
@@ -363,7 +416,7 @@ class NativeRollout:
         build_s, prefill_s, decode_s = clock.intervals()
         self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
-                           "compiled": d.compiled, "compile_error": self.compile_error}
+                           "compiled": d.compiled, "compile_error": self.compile_error, "attention": d.attention}
         return out
 
 

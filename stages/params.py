@@ -255,6 +255,10 @@ class Rollout(_Section):
     # (hybridcore/fused_decode.py; CUDA); auto: fused on a GPU (a 25 % shorter GRPO step at 8B, bench/RESULTS.md
     # 2026-12-06), bitsandbytes on a CPU
     decode_4bit: Literal["auto", "bitsandbytes", "fused"] = "auto"
+    # how the native rollout's decode steps attend: filled = a Triton kernel that reads only the KV-cache columns
+    # written so far (hybridcore/decode_attention.py; CUDA), sdpa = SDPA over the whole preallocated cache;
+    # auto: filled on a GPU where the kernel takes the model's heads, sdpa otherwise
+    attention: Literal["auto", "sdpa", "filled"] = "auto"
     vllm: Vllm = Vllm()
 
 
@@ -414,6 +418,9 @@ def check_supported(p: Params) -> None:
         raise InputError(f"engine.rollout.decode_4bit: fused, but the actor is {e.roles.actor.quantization} and the "
                          f"backend {e.rollout.backend}; expected engine.roles.actor.quantization: 4bit with the "
                          f"native backend (or decode_4bit: bitsandbytes)")
+    if e.rollout.attention == "filled" and e.rollout.backend != "native":
+        raise InputError(f"engine.rollout.attention: filled is the native backend's decode attention, but the "
+                         f"backend is {e.rollout.backend}; expected backend: native (or attention: auto)")
     if e.optimizer_states == "host":
         from hybridcore.engine import backend_for
         from hybridcore.parallel import Layout as Plain

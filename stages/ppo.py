@@ -405,7 +405,8 @@ def rollout_plan(p, m: Models, engines: list, tok, prompts: list[list[int]], n_n
     capacity = -(-(len(longest) + n_new) // 64) * 64  # the native backend's cache rounds its length up so
     dtype = DTYPES[role_precision(p, "actor")]
     probing = HybridActor(m.policy, tok, checkpointing(p, "actor"), backend=r.backend,
-                          backend_options={"cuda_graph": False, "compile": False}, train_engine=engines[0])
+                          backend_options={"cuda_graph": False, "compile": False, "attention": r.attention},
+                          train_engine=engines[0])
 
     def probe(chunk: int) -> None:
         with m.use("actor"):
@@ -424,9 +425,9 @@ def rollout_plan(p, m: Models, engines: list, tok, prompts: list[list[int]], n_n
 
 
 def backend_options(p, prompts: list[list[int]], n_new: int) -> dict:
-    """The rollout backend's settings from params: only vllm takes any."""
+    """The rollout backend's settings from params: the native backend's decode attention, the vllm engine's."""
     if p.engine.rollout.backend != "vllm":
-        return {}
+        return {"attention": p.engine.rollout.attention}
     v = p.engine.rollout.vllm
     return {"bucket_mib": v.bucket_mib, "kv_cache_gib": v.kv_cache_gib, "gpu_memory_utilization":
             v.gpu_memory_utilization, "sleep": v.sleep, "seed": p.pipeline.seed,

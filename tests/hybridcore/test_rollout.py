@@ -323,6 +323,59 @@ def test_unknown_backend_is_refused(tok):
         HybridActor(build_preset("micro", tok, seed=0), tok, backend="vllm-ish")
 
 
+def test_decode_attention_is_the_filled_columns_kernel_on_cuda(tok, prompts, monkeypatch):
+    """attention="auto" decodes through the kernel that reads only the filled cache columns on CUDA where it takes
+    the model's heads and passes its self-check, else through SDPA (a CPU rollout says so in last_stats); an
+    explicit "filled" that cannot run is an error naming why; an unknown value is refused. The kernel itself, and
+    its self-check run for real: test_decode_attention.py."""
+    from hybridcore import decode_attention
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    checked = []
+    monkeypatch.setattr(decode_attention, "self_check", lambda *args: checked.append(args))  # passes: None
+    model = gqa_model(tok, seed=1)  # head_dim 32, 2 query heads a KV head
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert NativeRollout(model)._resolve_attention(cuda) == "filled"
+    assert checked == [(32, 2, torch.float32, cuda)]
+    assert NativeRollout(model, attention="sdpa")._resolve_attention(cuda) == "sdpa"
+    actor = HybridActor(model, tok)
+    with actor.rollout():
+        actor.generate(prompts[:2], 3, greedy=True)
+    assert actor.backend.last_stats["attention"] == "sdpa"
+    with pytest.raises(RuntimeError, match="attention='filled' runs a Triton kernel on CUDA"):
+        NativeRollout(model, attention="filled")._resolve_attention(cpu)
+    odd = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1))  # head_dim 48
+    assert NativeRollout(odd)._resolve_attention(cuda) == "sdpa"
+    with pytest.raises(ValueError, match="cannot take this model's heads: head_dim 48, expected a power of two"):
+        NativeRollout(odd, attention="filled")._resolve_attention(cuda)
+    with pytest.raises(ValueError, match="attention 'flash', expected one of auto, sdpa, filled"):
+        NativeRollout(model, attention="flash")
+
+
+def test_a_kernel_failing_its_self_check_falls_back_to_sdpa_only_when_automatic(tok, monkeypatch):
+    """Where decode_attention.self_check fails (a GPU whose Triton builds the kernel differently), auto warns once
+    and decodes with SDPA, keeping why in attention_error; "filled" raises it. self_check itself reports an
+    exception and an output off the reference (plain torch here: no kernel runs)."""
+    from hybridcore import decode_attention
+    monkeypatch.setattr(decode_attention, "self_check", lambda *args: "CompilationError: at 12:4")
+    model, cuda = gqa_model(tok, seed=1), torch.device("cuda")
+    backend = NativeRollout(model)
+    with pytest.warns(RuntimeWarning, match=r"failed its self-check \(CompilationError: at 12:4\); decoding with SDPA"):
+        assert backend._resolve_attention(cuda) == "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend._resolve_attention(cuda) == "sdpa"  # once is enough
+    assert backend.attention_error == "CompilationError: at 12:4"
+    with pytest.raises(ValueError, match="attention='filled', but the kernel failed its self-check: Compilation"):
+        NativeRollout(model, attention="filled")._resolve_attention(cuda)
+    monkeypatch.undo()
+    check = decode_attention.self_check.__wrapped__  # uncached
+    monkeypatch.setattr(decode_attention, "attend", lambda q, *args: torch.zeros_like(q))
+    assert "off the reference (relative), expected < 0.02" in check(64, 4, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(decode_attention, "attend", lambda *args: 1 / 0)
+    assert check(64, 4, torch.float32, torch.device("cpu")) == "ZeroDivisionError: division by zero"
+
+
 def test_rollouts_stop_at_any_stop_token(tok, prompts, eos_model):
     """Several stop ids (EOS and a chat template's end of turn): each row ends at the first of either, exactly as
     generate with a list of eos ids; HybridActor stops at EOS and the template's <|im_end|>."""
