@@ -4,9 +4,9 @@
 Decoding one token for a batch is about a thousand small kernels that each read weights once: the step is
 bound by launch overhead and kernel count, not by arithmetic. So on CUDA the one-token step is compiled
 (inductor fuses the norms, rotary, activations and cache writes: ~14 kernels a layer instead of ~35), then
-captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. Its attention reads
-only the cache columns written so far through a Triton kernel on CUDA (hybridcore/decode_attention.py; SDPA
-over the whole preallocated cache otherwise). `hf` is plain
+captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. Its attention is
+SDPA over the whole preallocated cache, masked, or (attention="filled", CUDA) a Triton kernel that reads only the
+cache columns written so far (hybridcore/decode_attention.py). `hf` is plain
 transformers `generate`, kept as the baseline the native loop is tested and benchmarked against.
 
 Both take a left-padded batch ([B, P] ids and 0/1 mask) and return the new tokens [B, n] (n <= max_new),
@@ -276,7 +276,7 @@ class NativeRollout:
 
     def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
                  capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS,
-                 attention: str = "auto"):
+                 attention: str = "sdpa"):
         """cuda_graph: None = on for CUDA models. compile: run the decode step through torch.compile; None = on
         where the step is a CUDA graph (falling back to the plain step, with a warning, if compiling fails).
         It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
@@ -284,7 +284,8 @@ class NativeRollout:
         chunks of about this many tokens over the batch, so its activations stay small beside the KV cache, which
         is allocated whole before the prefill. attention: how decode steps attend, "filled" (the Triton kernel
         that reads only the cache columns written so far: CUDA), "sdpa" (the whole cache, masked) or "auto"
-        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa."""
+        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa. Default sdpa
+        until the kernel has been timed on a GPU (bench/decode_attention.py)."""
         if attention not in ATTENTIONS:
             raise ValueError(f"native rollout: attention {attention!r}, expected one of {', '.join(ATTENTIONS)}")
         self.model, self.attention = model, attention

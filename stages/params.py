@@ -257,8 +257,9 @@ class Rollout(_Section):
     decode_4bit: Literal["auto", "bitsandbytes", "fused"] = "auto"
     # how the native rollout's decode steps attend: filled = a Triton kernel that reads only the KV-cache columns
     # written so far (hybridcore/decode_attention.py; CUDA), sdpa = SDPA over the whole preallocated cache;
-    # auto: filled on a GPU where the kernel takes the model's heads, sdpa otherwise
-    attention: Literal["auto", "sdpa", "filled"] = "auto"
+    # auto: filled on a GPU where the kernel takes the model's heads, sdpa otherwise. Default sdpa until
+    # bench/decode_attention.py has timed the kernel on a GPU (not yet run)
+    attention: Literal["auto", "sdpa", "filled"] = "sdpa"
     vllm: Vllm = Vllm()
 
 
