@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.decode_profile import timed_ms  # noqa: E402
 from hybridcore import decode_attention  # noqa: E402  (torch only; triton on first kernel use)
 
 SHAPES = {  # decode shapes of the rollouts bench/rollout.py and bench/grpo_peer.py run
@@ -87,15 +88,8 @@ def error(out, ref) -> float:
 
 
 def replay_ms(g, reps: int) -> float:
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    g.replay()  # warm
+    return timed_ms(g.replay, torch.device("cuda"), reps)
 
 
 def measure(fn, state: dict, values, refs: dict, graph: bool, reps: int = 20) -> dict:

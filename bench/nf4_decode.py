@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.decode_profile import timed_ms  # noqa: E402
 from hybridcore import nf4  # noqa: E402
 
 HIDDEN, INTER, KV = 4096, 14336, 1024  # Llama-3-8B
@@ -127,15 +128,8 @@ def measure(fn, weights, batch: int, graph: bool, reps: int = 20) -> dict:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = [fn(xs[w["nf4"].shape[1]], w) for w in weights]
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return {**res, "ms": start.elapsed_time(end) / reps, "err_graph": errors(outs[:7], xs, weights)}
+    g.replay()  # warm
+    return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps), "err_graph": errors(outs[:7], xs, weights)}
 
 
 def run(a, weights, res: dict, graph: bool) -> None:

@@ -9,7 +9,7 @@ import triton  # `make setup` installs it (CPU torch does not bring it)
 from triton.backends.compiler import GPUTarget
 
 from hybridcore import decode_attention
-from tests.hybridcore.test_nf4_compile import POINTER, Recorder
+from tests.hybridcore.test_nf4_compile import POINTER, Recorder, failure
 
 POINTER = {**POINTER, torch.int64: "*i64"}
 # (batch, KV heads, query heads a KV head, head_dim, capacity, dtype)
@@ -44,10 +44,6 @@ def test_both_kernels_compile_for_sm90(monkeypatch):
             try:
                 compile_launch(fn, args, kwargs)
             except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
-                cause = e
-                while cause.__cause__ is not None:  # Triton's CompilationError wraps the compiler's own message
-                    cause = cause.__cause__
-                failures.append(f"{fn.fn.__name__} G {G}, D {D}, {dtype}: "
-                                f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}")
+                failures.append(failure(f"{fn.fn.__name__} G {G}, D {D}, {dtype}", e))
         recorded.clear()
     assert not failures, "\n".join(failures)

@@ -51,6 +51,14 @@ LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2), ("dot", 8, True, torch.bfloat1
             ("dot", 64, True, torch.bfloat16, 1)]
 
 
+def failure(launch: str, e: Exception) -> str:
+    """One line for a launch that did not compile: the compiler's own message (Triton's CompilationError wraps it)."""
+    cause = e
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return f"{launch}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}"
+
+
 def test_every_kernel_compiles_for_sm90(monkeypatch):
     from hybridcore import nf4_kernels
 
@@ -64,10 +72,6 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
         try:
             compile_launch(fn, args, kwargs, reduce)
         except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
-            cause = e
-            while cause.__cause__ is not None:  # Triton's CompilationError wraps the compiler's own message
-                cause = cause.__cause__
-            failures.append(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}: "
-                            f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}")
+            failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}", e))
     assert {k for k, *_ in LAUNCHES} == set(nf4.KERNELS)
     assert not failures, "\n".join(failures)
