@@ -4,9 +4,9 @@
 Decoding one token for a batch is about a thousand small kernels that each read weights once: the step is
 bound by launch overhead and kernel count, not by arithmetic. So on CUDA the one-token step is compiled
 (inductor fuses the norms, rotary, activations and cache writes: ~14 kernels a layer instead of ~35), then
-captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. Its attention is
-SDPA over the whole preallocated cache, masked, or (attention="filled", CUDA) a Triton kernel that reads only the
-cache columns written so far (hybridcore/decode_attention.py). `hf` is plain
+captured once in a CUDA graph and replayed (one launch per token); on CPU it runs eagerly. Its attention reads
+only the cache columns written so far through a Triton kernel on CUDA (hybridcore/decode_attention.py; SDPA
+over the whole preallocated cache, masked, on a CPU or with attention="sdpa"). `hf` is plain
 transformers `generate`, kept as the baseline the native loop is tested and benchmarked against.
 
 Both take a left-padded batch ([B, P] ids and 0/1 mask) and return the new tokens [B, n] (n <= max_new),
@@ -182,6 +182,11 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
 # inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB
 # (with the fused decode, the GRPO step's rollout peak: 0.35 GiB above weights + cache, 2026-12-06); 512 ~half.
 PREFILL_TOKENS = 512
+# ... but at most this many chunks: each is a forward of the whole model, and for a large batch PREFILL_TOKENS
+# alone made the prefill a decode loop (Qwen2.5-1.5B shape, batch 256 x 256 prompt tokens: 128 chunks of 2
+# positions took 3.0 s on an H100, bench/RESULTS.md 2026-12-06 21:54, against 0.44 s for one pass on an H200).
+# 16 leaves every chunk's activations a fraction of the KV cache it fills, which holds all P + new positions.
+PREFILL_CHUNKS = 16
 
 _capture_streams: dict = {}
 
@@ -276,16 +281,15 @@ class NativeRollout:
 
     def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
                  capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS,
-                 attention: str = "sdpa"):
+                 attention: str = "auto"):
         """cuda_graph: None = on for CUDA models. compile: run the decode step through torch.compile; None = on
         where the step is a CUDA graph (falling back to the plain step, with a warning, if compiling fails).
         It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
         later rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in
-        chunks of about this many tokens over the batch, so its activations stay small beside the KV cache, which
-        is allocated whole before the prefill. attention: how decode steps attend, "filled" (the Triton kernel
+        chunks of about this many tokens over the batch (in PREFILL_CHUNKS at most), so its activations stay small
+        beside the KV cache, which is allocated whole before the prefill. attention: how decode steps attend, "filled" (the Triton kernel
         that reads only the cache columns written so far: CUDA), "sdpa" (the whole cache, masked) or "auto"
-        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa. Default sdpa
-        until the kernel has been timed on a GPU (bench/decode_attention.py)."""
+        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa."""
         if attention not in ATTENTIONS:
             raise ValueError(f"native rollout: attention {attention!r}, expected one of {', '.join(ATTENTIONS)}")
         self.model, self.attention = model, attention
@@ -384,7 +388,8 @@ class NativeRollout:
         d = self._decoder_for(B, P + max_new_tokens, ids.device)  # a new shape: cache, compile, graph capture
         clock.mark()
         d.mask[:, :P] = mask.bool()
-        allowed, positions, chunk = prefill_mask(mask), position_ids(mask), max(1, self.prefill_tokens // B)
+        allowed, positions = prefill_mask(mask), position_ids(mask)
+        chunk = max(1, self.prefill_tokens // B, -(-P // PREFILL_CHUNKS))  # prompt positions per chunk
         for s in range(0, P, chunk):  # each chunk attends to the cache columns written so far and its own
             e = min(P, s + chunk)
             d.cache.index = torch.arange(s, e, device=ids.device)
@@ -415,7 +420,8 @@ class NativeRollout:
         out, self.last_logprobs = out[:, :n], logps[:, :n]
         clock.mark()
         build_s, prefill_s, decode_s = clock.intervals()
-        self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": n,
+        self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "prefill_chunks": -(-P // chunk),
+                           "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
                            "compiled": d.compiled, "compile_error": self.compile_error, "attention": d.attention}
         return out

@@ -257,9 +257,9 @@ class Rollout(_Section):
     decode_4bit: Literal["auto", "bitsandbytes", "fused"] = "auto"
     # how the native rollout's decode steps attend: filled = a Triton kernel that reads only the KV-cache columns
     # written so far (hybridcore/decode_attention.py; CUDA), sdpa = SDPA over the whole preallocated cache;
-    # auto: filled on a GPU where the kernel takes the model's heads, sdpa otherwise. Default sdpa until
-    # bench/decode_attention.py has timed the kernel on a GPU (not yet run)
-    attention: Literal["auto", "sdpa", "filled"] = "sdpa"
+    # auto: filled on a GPU where the kernel takes the model's heads (1.4-2.8x faster than sdpa per layer, decode
+    # step 10 % shorter at the 1.5B shape on an H100, bench/RESULTS.md 2026-12-06 21:52), sdpa otherwise
+    attention: Literal["auto", "sdpa", "filled"] = "auto"
     vllm: Vllm = Vllm()
 
 

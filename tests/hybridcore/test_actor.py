@@ -239,6 +239,22 @@ def test_chunked_prefill_equals_one_pass(tok, prompts, eos_model, alone, prefill
         assert actor.generate(prompts, MAX_NEW, greedy=True) == alone
 
 
+def test_a_long_prompt_in_a_large_batch_is_prefilled_in_at_most_prefill_chunks_forwards(tok, eos_model):
+    """prefill_tokens alone would give 2-token rows here (a prefill as slow as decoding): PREFILL_CHUNKS caps the
+    forwards, and the responses equal one pass's."""
+    from hybridcore.rollout import PREFILL_CHUNKS
+    long = [[(7 * i + j) % 50 + 3 for j in range(3 * PREFILL_CHUNKS + i % 3)] for i in range(6)]
+    responses = {}
+    for tokens in (6 * 2, 10 ** 6):
+        actor = HybridActor(eos_model, tok, backend_options={"prefill_tokens": tokens})
+        with actor.rollout():
+            responses[tokens] = actor.generate(long, MAX_NEW, greedy=True)
+        responses[tokens, "chunks"] = actor.backend.last_stats["prefill_chunks"]
+    uncapped = -(-max(map(len, long)) // (12 // len(long)))  # 2 positions a chunk: 25 forwards
+    assert responses[12, "chunks"] <= PREFILL_CHUNKS < uncapped and responses[10 ** 6, "chunks"] == 1
+    assert responses[12] == responses[10 ** 6]
+
+
 def test_rollout_logprobs_are_the_training_logprobs_of_the_sampled_tokens(tok, prompts, eos_model):
     """The native rollout keeps each sampled token's log-prob under the model's own softmax (not the temperature's):
     the training forward gives the same numbers for the same tokens (fp32 micro model: to rounding)."""

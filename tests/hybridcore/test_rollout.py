@@ -334,8 +334,7 @@ def test_decode_attention_is_the_filled_columns_kernel_on_cuda(tok, prompts, mon
     monkeypatch.setattr(decode_attention, "self_check", lambda *args: checked.append(args))  # passes: None
     model = gqa_model(tok, seed=1)  # head_dim 32, 2 query heads a KV head
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert NativeRollout(model)._resolve_attention(cuda) == "sdpa"  # the default until the kernel is timed
-    assert NativeRollout(model, attention="auto")._resolve_attention(cuda) == "filled"
+    assert NativeRollout(model)._resolve_attention(cuda) == "filled"
     assert checked == [(32, 2, torch.float32, cuda)]
     assert NativeRollout(model, attention="sdpa")._resolve_attention(cuda) == "sdpa"
     actor = HybridActor(model, tok)
@@ -346,7 +345,7 @@ def test_decode_attention_is_the_filled_columns_kernel_on_cuda(tok, prompts, mon
         NativeRollout(model, attention="filled")._resolve_attention(cpu)
     odd = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1))  # head_dim 48
-    assert NativeRollout(odd, attention="auto")._resolve_attention(cuda) == "sdpa"
+    assert NativeRollout(odd)._resolve_attention(cuda) == "sdpa"
     with pytest.raises(ValueError, match="cannot take this model's heads: head_dim 48, expected a power of two"):
         NativeRollout(odd, attention="filled")._resolve_attention(cuda)
     with pytest.raises(ValueError, match="attention 'flash', expected one of auto, sdpa, filled"):
@@ -360,7 +359,7 @@ def test_a_kernel_failing_its_self_check_falls_back_to_sdpa_only_when_automatic(
     from hybridcore import decode_attention
     monkeypatch.setattr(decode_attention, "self_check", lambda *args: "CompilationError: at 12:4")
     model, cuda = gqa_model(tok, seed=1), torch.device("cuda")
-    backend = NativeRollout(model, attention="auto")
+    backend = NativeRollout(model)
     with pytest.warns(RuntimeWarning, match=r"failed its self-check \(CompilationError: at 12:4\); decoding with SDPA"):
         assert backend._resolve_attention(cuda) == "sdpa"
     with warnings.catch_warnings():

@@ -190,12 +190,12 @@ def test_decode_4bit_auto_is_the_fused_kernel_on_a_gpu(rollout, actor, device, f
 
 
 def test_rollout_attention_reaches_the_native_backend_and_is_checked():
-    """engine.rollout.attention (default sdpa) is the native backend's `attention` option; an unknown value, or
+    """engine.rollout.attention (default auto) is the native backend's `attention` option; an unknown value, or
     filled with the vllm backend, is refused naming the field."""
     from stages.ppo import backend_options
-    assert backend_options(load_params("test"), [[1, 2]], 4) == {"attention": "sdpa"}
-    p = load_params("test", {"engine": {"rollout": {"attention": "auto"}}})
-    assert backend_options(p, [[1, 2]], 4) == {"attention": "auto"}
+    assert backend_options(load_params("test"), [[1, 2]], 4) == {"attention": "auto"}
+    p = load_params("test", {"engine": {"rollout": {"attention": "sdpa"}}})
+    assert backend_options(p, [[1, 2]], 4) == {"attention": "sdpa"}
     assert "engine.rollout.attention" in _error({"engine": {"rollout": {"attention": "flash"}}})
     msg = _error({"engine": {"rollout": {"attention": "filled", "backend": "vllm"}}})
     assert "engine.rollout.attention: filled" in msg and "backend is vllm" in msg and "\n" not in msg
