@@ -39,10 +39,8 @@ serve: setup
 
 test: test-main test-vllm
 
-# two pytest-xdist workers, one thread each (tests/conftest.py groups the tests by module and by the tiny run)
-WORKERS ?= 2
 test-main: setup
-	$(PY) -m pytest -q -m "not vllm" -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not vllm" --durations=40 $(PYTEST_ARGS)
 
 test-vllm: $(VSTAMP)
 	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q -m vllm tests/hybridcore/test_rollout_vllm.py tests/stages/test_ppo_vllm.py

@@ -3,10 +3,8 @@ that only reads its results (artifacts, summary, MLflow store) shares that run."
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -18,54 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# `make test` runs the suite in two pytest-xdist workers (CI's machine has two cores). Each worker, and every process
-# it starts, computes on one thread: two workers x one thread fill the two cores, where two-thread OpenMP regions
-# would stall whenever the other worker holds a core. Set before torch is imported.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if WORKER:
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
-
-# The slowest groups of tests, in the order the workers should take them (measured: make test-main's durations):
-# a worker takes the next group when it runs out, so a long group left for last would keep one worker busy alone.
-SLOW_FIRST = ["tests/flows/test_users_data.py", "tiny-run", "tests/flows/test_pipeline_dp2.py",
-              "tests/stages/test_tp_stages.py", "tests/bench/test_multi_gpu_tiny.py"]
-# The session's tiny run and the fixtures built on it: every module naming one of these runs in one worker.
-TINY_RUN_FIXTURES = ("tiny_run", "tiny_artifacts", "two_runs", "mlflow_ui")
-
-
-@functools.cache
-def group_of(module: str) -> str:
-    """A test module's group (path relative to ROOT): "tiny-run" where it uses the session's tiny run (made once,
-    and several modules write into its folder), else the module itself (its module-scoped fixtures built once).
-    Read from the source, because pytest-xdist's controller schedules by node id and never imports the tests."""
-    text = (ROOT / module).read_text()
-    return "tiny-run" if any(re.search(rf"\b{name}\b", text) for name in TINY_RUN_FIXTURES) else module
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist hands out whole groups (group_of), in collection order (--no-loadscope-reorder)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByGroup(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid.split("::", 1)[0])
-
-    return ByGroup(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slowest groups first (the rest keep their order); a module that reaches the tiny run through a fixture
-    TINY_RUN_FIXTURES does not name is an error (its group would make the run a second time)."""
-    for item in items:
-        module = str(item.path.relative_to(ROOT))
-        if "tiny_run" in item.fixturenames and group_of(module) != "tiny-run":
-            raise pytest.UsageError(f"{module} uses the tiny_run fixture through one that tests/conftest.py's "
-                                    f"TINY_RUN_FIXTURES does not list; add it there")
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(str(item.path.relative_to(ROOT))), len(rank)))
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None) -> subprocess.CompletedProcess:
