@@ -549,7 +549,8 @@ def main() -> int:
         ap.error("--rm cpu: --estimator grpo builds no reward model")
     known = [r[0] for r in rows_for(a.shape, a.estimator)]
     if a.rows and set(a.rows) - set(known):
-        ap.error(f"--rows: no row {sorted(set(a.rows) - set(known))} for this shape and estimator; expected some of {known}")
+        ap.error(f"--rows: no row {sorted(set(a.rows) - set(known))} for this shape and estimator; "
+                 f"expected some of {known}")
     a.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     cuda = a.shape != "tiny"
@@ -608,8 +609,7 @@ def main() -> int:
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []
-    rows = rows_for(a.shape, a.estimator)
-    for name, sw, what in [r for r in rows if not a.rows or r[0] in a.rows]:
+    for name, sw, what in [r for r in rows_for(a.shape, a.estimator) if not a.rows or r[0] in a.rows]:
         left = a.budget_s - (time.perf_counter() - t_start)
         est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
         if left < est * 1.3:

@@ -50,8 +50,8 @@ def main() -> int:
     shape, batch, length, repeats = ("tiny", 4, 16, 1) if a.tiny else ("qwen2.5-1.5b", 256, 256, 3)
     model = build(shape, torch.float32 if a.tiny else torch.bfloat16, device)
     ids, mask = prompts(batch, length, model.config.vocab_size, device, seed=batch)
-    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": a.commit, "command": " ".join(sys.argv),
-           "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "torch": torch.__version__,
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": a.commit,
+           "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "torch": torch.__version__,
            "shape": shape, "batch": batch, "prompt": length, "new": length, "rows": []}
     ref = None
     for attention in ("sdpa",) if a.tiny else ("sdpa", "filled"):

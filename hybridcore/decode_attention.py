@@ -9,8 +9,8 @@ length, and a second kernel merges each head's chunks (max, sum, accumulator: fp
 never `filled`, and nothing waits on the host, so a CUDA graph captured once replays it while `filled` advances.
 
 torch.compile sees it as one custom op (`torch.ops.hybridcore.decode_attention`), as fused_decode.py does the NF4
-kernel: traced into, the launcher's Python would break the compiled decode step. DEFAULTS are untimed guesses until
-bench/decode_attention.py times them. `reference` is the plain-torch attention the tests hold the kernels to, and
+kernel: traced into, the launcher's Python would break the compiled decode step. DEFAULTS were timed by
+bench/decode_attention.py on an H100. `reference` is the plain-torch attention the tests hold the kernels to, and
 `self_check` what the rollout runs before it decodes through them (it falls back to SDPA where that fails). On a
 CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported:
 tests/hybridcore/decode_attention_worker.py runs in a process of its own for that), which is how CI tests them.
@@ -22,10 +22,10 @@ import os
 
 import torch
 
-# untimed guesses (bench/decode_attention.py times the alternatives): partials: 128 columns a program in tiles of 64
-# (at the Llama-3-8B decode shape, 8 rows x 8 KV heads, a cache filled to 1,536 columns keeps 768 programs at work,
-# ~6 an H100 SM);
-# combine: 16 chunks a step (one step up to 2,048 columns)
+# partials: 128 columns a program in tiles of 64 (at the Llama-3-8B decode shape, 8 rows x 8 KV heads, a cache
+# filled to 1,536 columns keeps 768 programs at work, ~6 an H100 SM); combine: 16 chunks a step (one step up to
+# 2,048 columns). Within 5 % of the best of bench/decode_attention.py's 14 configs on an H100 at the 1.5B and 8B
+# decode shapes (bench/RESULTS.md 2026-12-06 21:52)
 DEFAULTS = {"partials": dict(chunk=128, block_n=64, num_warps=4, num_stages=2),
             "combine": dict(block_c=16, num_warps=2)}
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tl.arange over D; 16 is tl.dot's smallest side
@@ -81,10 +81,10 @@ def launch(q, k, v, mask, filled, scale: float, chunk: int | None = None, block_
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # fp32 q: full-precision products
     partials[(B * H, chunks)](
         q, k, v, mask, filled, m, l_, acc, scale, G, H, C, chunks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        mask.stride(0), D=D, G_PAD=max(16, _pow2(G)), CHUNK=cfg["chunk"], BLOCK_N=cfg["block_n"],
+        mask.stride(0), D=D, G_PAD=max(16, triton.next_power_of_2(G)), CHUNK=cfg["chunk"], BLOCK_N=cfg["block_n"],
         PRECISION=precision, UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     combine[(B * H * G,)](m, l_, acc, filled, out, G, H, C, chunks, *out.stride()[:3], D=D, CHUNK=cfg["chunk"],
-                          BLOCK_C=min(cfg["block_c"], _pow2(chunks)), num_warps=cfg["combine_warps"])
+                          BLOCK_C=min(cfg["block_c"], triton.next_power_of_2(chunks)), num_warps=cfg["combine_warps"])
     return out
 
 
@@ -167,10 +167,6 @@ def _check(q, k, v, mask, filled, cfg) -> None:
     for bad, message in problems:
         if bad:
             raise ValueError(f"decode_attention.attend: {message}")
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 @functools.cache

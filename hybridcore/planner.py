@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from hybridcore.errors import InputError
+from hybridcore.tensor_parallel import head_shape
 
 GIB, MIB = 2 ** 30, 2 ** 20
 MARGIN = 0.10  # of the budget kept free: allocator fragmentation, and buffers the probe does not exercise
@@ -185,9 +186,7 @@ def plan_micro_batch(stage: str, budget_gib: float, batch_size: int, n_params: i
 
 def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     """Bytes of a static KV cache for `rows` sequences of `length` tokens (hybridcore/rollout.py StaticKVCache)."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    _, kv_heads, head_dim = head_shape(config)
     return 2 * config.num_hidden_layers * rows * kv_heads * length * head_dim * dtype.itemsize
 
 

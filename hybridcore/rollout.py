@@ -27,7 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from hybridcore import decode_attention
 from hybridcore.adapters import mixed_precision
 from hybridcore.batch import position_ids
-from hybridcore.tensor_parallel import local_kv_heads, tp_state
+from hybridcore.tensor_parallel import head_shape, local_kv_heads, tp_state
 
 ATTENTION = "hybrid_rollout"
 ATTENTIONS = ("auto", "sdpa", "filled")  # NativeRollout(attention=...): auto = filled on CUDA, else sdpa
@@ -99,13 +99,6 @@ class StaticKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-
-def head_shape(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim) of a decoder's config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def decode_step(model, tokens, positions, column, mask, keys, values, attention: str = "sdpa") -> torch.Tensor:
@@ -287,9 +280,10 @@ class NativeRollout:
         It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
         later rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in
         chunks of about this many tokens over the batch (in PREFILL_CHUNKS at most), so its activations stay small
-        beside the KV cache, which is allocated whole before the prefill. attention: how decode steps attend, "filled" (the Triton kernel
-        that reads only the cache columns written so far: CUDA), "sdpa" (the whole cache, masked) or "auto"
-        (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill is always sdpa."""
+        beside the KV cache, which is allocated whole before the prefill. attention: how decode steps attend,
+        "filled" (the Triton kernel that reads only the cache columns written so far: CUDA), "sdpa" (the whole
+        cache, masked) or "auto" (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill
+        is always sdpa."""
         if attention not in ATTENTIONS:
             raise ValueError(f"native rollout: attention {attention!r}, expected one of {', '.join(ATTENTIONS)}")
         self.model, self.attention = model, attention

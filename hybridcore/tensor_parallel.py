@@ -136,19 +136,22 @@ def tp_state(model) -> TPState:
     return getattr(model, "_hybrid_tp", None) or TPState(1, 0, None)
 
 
+def head_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a decoder's config (KV heads default to the query heads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def local_kv_heads(model, config=None) -> int:
     """KV heads this rank's attention produces (a static cache is sized from this, not from the config)."""
-    config = config if config is not None else model.config
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return kv // tp_state(model).size
+    return head_shape(config if config is not None else model.config)[1] // tp_state(model).size
 
 
 # ------------------------------------------------------------------------------------------- splitting
 def check_divisible(config, tp: int, field: str = "engine.layout.tp") -> None:
     """One line naming the field and the model's sizes when tp does not divide heads, kv heads or the MLP."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv, _ = head_shape(config)
     inter = config.intermediate_size
     bad = [f"{name}={n}" for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
                                            ("intermediate_size", inter)) if n % tp]
