@@ -7,13 +7,13 @@ triton.compile for GPUTarget("cuda", 90, 32) as that test does, except that the 
 Triton's JIT specialises them on a GPU (pointers and ints divisible by 16 marked so, ints equal to 1 made
 constants): vector widths depend on it. The loop is the longest backward branch of the PTX and of the SASS (the
 wheel's nvdisasm); counts are per thread and iteration, "per byte" divides by the weight bytes a thread covers in
-one iteration (BLOCK_N x BLOCK_K / 2 over 32 x num_warps threads). Two ceilings come of the SASS counts, each as if
-nothing else bounded the loop: issue (an SM issues 4 warp-instructions a clock) and mio (an SM's L1 / shared memory
-moves 128 bytes a clock: global, shared-memory and ldmatrix loads and stores, shuffles, at least 4 bytes a thread
-each; bank conflicts are not seen, nor the bytes a wgmma reads from shared memory itself). Against 2026-12-06's H100
-timings at batch 8 (bench/RESULTS.md, triton 3.6), gemv ran at ~65 % of its issue ceiling, dot at ~45 % and
-scaled_dot at ~49 % of their mio ceiling. Registers and local memory (spills) come from cuobjdump, shared memory
-from the kernel's metadata.
+one iteration (BLOCK_N x BLOCK_K / 2, or x QBLOCK / 2 for nf4_lut's, over 32 x num_warps threads). Two ceilings come
+of the SASS counts, each as if nothing else bounded the loop: issue (an SM issues 4 warp-instructions a clock) and
+mio (an SM's L1 / shared memory moves 128 bytes a clock: global, shared-memory and ldmatrix loads and stores,
+shuffles, at least 4 bytes a thread each; bank conflicts are not seen, nor the bytes a wgmma reads from shared
+memory itself). Against 2026-12-06's H100 timings at batch 8 (bench/RESULTS.md, triton 3.6), gemv ran at ~65 % of
+its issue ceiling, dot at ~45 % and scaled_dot at ~49 % of their mio ceiling. Registers and local memory (spills)
+come from cuobjdump, shared memory from the kernel's metadata.
     python bench/nf4_ptx.py [--kernels gemv dot scaled_dot] [--batches 8 16] [--linears q k gate down] [--json]
     python bench/nf4_ptx.py --kernels scaled_dot --batches 8 --set block_k=256 num_warps=8 --dump /tmp/sd
 The compiler is whichever triton is imported (the GPU machine's can be older than the venv's: PYTHONPATH can put
@@ -195,7 +195,8 @@ def analyse(kernel: str, m: int, linear: str, given: dict, dump: str | None = No
     ptx = ptx_mix(compiled.asm["ptx"])
     bn, bk, warps = kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"]
     values = dict(zip(fn.arg_names, args))
-    step, per_split = bk // 2, values["PER_SPLIT"]
+    # nf4_lut's kernels step one quantisation block at a time (their BLOCK_K sizes the splits only)
+    step, per_split = (kwargs["QBLOCK"] if kernel in nf4.LUT_KERNELS else bk) // 2, values["PER_SPLIT"]
     thread_bytes = bn * step / (32 * warps)  # weight bytes a thread covers in one iteration
     smem = compiled.metadata.shared
     row = {"kernel": kernel, "batch": m, "linear": linear, "k": k, "n": n, "given": given,

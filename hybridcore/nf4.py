@@ -5,9 +5,11 @@ at batch 8 reads each weight three times (4-bit in, bf16 out, bf16 in again), an
 bytes it reads: these kernels read the packed weight once and multiply as they go. More than one kernel, because the
 batch decides what runs out first: for a row or two the fp32 FMAs are few (`gemv`); beyond that they outgrow the
 dequantisation and the tensor cores take them (`dot`, the weight as the MMA's wide operand; `scaled_dot`, the same
-with one MMA per tile of K, the levels scaled before it, the fastest at 3-16 rows). K is split among
-programs because a step's narrow linears (k/v: 1024 rows) would leave most SMs idle, and the splits are added up
-inside the kernel because a zeroed buffer and a cast would be two more launches for each of a step's 224 linears.
+with one MMA per tile of K, the levels scaled before it, the fastest at 3-16 rows timed so far; `pair_dot` and
+`nibble_dot`, hybridcore/nf4_lut.py, look the levels up in shared memory, for fewer instructions per byte). K is
+split among programs because a step's narrow linears (k/v: 1024 rows) would leave most SMs idle, and the splits are
+added up inside the kernel because a zeroed buffer and a cast would be two more launches for each of a step's 224
+linears.
 The default tiles and SCALED_DOT_MAX_M were timed on an H100 (bench/nf4_decode.py, bench/RESULTS.md); GEMV_MAX_M is
 still a guess (one-row steps stay on bitsandbytes, which is faster there). K must be whole quantisation blocks (true of the usual hidden sizes), so that a block's absmax is one row's.
 
@@ -88,8 +90,14 @@ SCALED_DOT_MAX_M = 16  # then up to this many `scaled_dot` (timed at 8 and 16 ro
 # 46 configs timed; bench/RESULTS.md 2026-12-06
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
-            "scaled_dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=1)}
-KERNELS = ("gemv", "dot", "scaled_dot")
+            "scaled_dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=1),
+            # nf4_lut.py's, not timed yet: 128 rows of W a program (bench/nf4_ptx.py: fewer instructions and
+            # L1/shared bytes per weight byte than 64 rows, 4 programs an SM, no spills), one quantisation block a
+            # step; block_k only sizes the splits of K: 256 gives k and v 16 splits of 4 steps, not 64 of one
+            "pair_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1),
+            "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1)}
+KERNELS = ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot")
+LUT_KERNELS = ("pair_dot", "nibble_dot")  # hybridcore/nf4_lut.py's nf4_lut_dot, levels looked up in shared memory
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
 
@@ -100,16 +108,17 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
            num_stages: int | None = None, lookup: str = "table") -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
-    kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it), or None
+    kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it),
+    "pair_dot" / "nibble_dot" (levels looked up in shared memory, a byte or a nibble at a time: nf4_lut.py), or None
     (by the batch: GEMV_MAX_M, SCALED_DOT_MAX_M); unset tiles, warps and stages come from DEFAULTS.
     block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
     64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
     takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
     a tile's K, or "auto". reduce: how the splits meet, "serial" (the last to finish adds them up, in the kernel)
     or "atomic" (fp32 atomic adds into a zeroed buffer, then a cast: two more launches). lookup: "table" (a load
-    from the 16-entry code) or "select" (a tree of selects). dot rounds the levels to x's dtype for the MMA (fp32 x:
-    full-precision FMAs, slow). Splitting keeps counters on the device, one per output tile: calls that split K
-    must not run concurrently on two streams."""
+    from the 16-entry code) or "select" (a tree of selects; pair_dot and nibble_dot have their own tables). dot
+    rounds the levels to x's dtype for the MMA (fp32 x: full-precision FMAs, slow). Splitting keeps counters on the
+    device, one per output tile: calls that split K must not run concurrently on two streams."""
     import triton
 
     n, k = w.shape
@@ -136,6 +145,8 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     upcast = type(fn).__name__ == "InterpretedFunction"  # see nf4_dot's UPCAST
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+    if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
+        extra["PAIRS"] = kernel == "pair_dot" and x.dtype != torch.float32
     outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
@@ -154,6 +165,7 @@ def _check(x, w, kernel, cfg) -> None:
         (x.dtype not in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}, expected a float dtype"),
         (kernel not in KERNELS, f"kernel {kernel!r}, expected {', '.join(map(repr, KERNELS))} or None"),
         (cfg["lookup"] not in ("select", "table"), f"lookup {cfg['lookup']!r}, expected 'select' or 'table'"),
+        (kernel in LUT_KERNELS and cfg["lookup"] != "table", f"lookup {cfg['lookup']!r}: {kernel} has its own"),
         (cfg["reduce"] not in ("serial", "atomic"), f"reduce {cfg['reduce']!r}, expected 'serial' or 'atomic'"),
         (not pow2(w.blocksize, 32) or w.blocksize > 256,
          f"quantisation block {w.blocksize}, expected a power of two from 32 to 256"),
@@ -197,5 +209,8 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 @functools.cache
 def _kernel(name: str):
     """Imported on first use, so TRITON_INTERPRET can be set by then (and triton is imported only when needed)."""
+    if name in LUT_KERNELS:
+        from hybridcore import nf4_lut
+        return nf4_lut.nf4_lut_dot
     from hybridcore import nf4_kernels
     return getattr(nf4_kernels, f"nf4_{name}")

@@ -46,9 +46,12 @@ def compile_launch(fn, args, kwargs, reduce: int) -> None:
 
 
 # (kernel, batch, double-quantised absmax, x dtype, split-K reduction: 0 none, 1 atomic, 2 serial)
+# (pair_dot with fp32 x looks up nibbles, with fp16 x builds its pair table in fp16)
 LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2), ("dot", 8, True, torch.bfloat16, 2),
             ("scaled_dot", 8, True, torch.bfloat16, 2), ("dot", 16, False, torch.float32, 0),
-            ("dot", 64, True, torch.bfloat16, 1)]
+            ("dot", 64, True, torch.bfloat16, 1), ("pair_dot", 8, True, torch.bfloat16, 2),
+            ("nibble_dot", 16, True, torch.bfloat16, 2), ("pair_dot", 16, False, torch.float32, 0),
+            ("pair_dot", 8, True, torch.float16, 1)]
 
 
 def failure(launch: str, e: Exception) -> str:
@@ -60,11 +63,9 @@ def failure(launch: str, e: Exception) -> str:
 
 
 def test_every_kernel_compiles_for_sm90(monkeypatch):
-    from hybridcore import nf4_kernels
-
-    recorded, failures = [], []
+    recorded, failures, kernel_of = [], [], nf4._kernel
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while unset; 1 is its (and 3.6's) default
-    monkeypatch.setattr(nf4, "_kernel", lambda name: Recorder(getattr(nf4_kernels, f"nf4_{name}"), recorded))
+    monkeypatch.setattr(nf4, "_kernel", lambda name: Recorder(kernel_of(name), recorded))
     for kernel, m, nested, dtype, reduce in LAUNCHES:
         nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(N, K, seed=0, nested=nested)[0], kernel=kernel)
         fn, args, kwargs = recorded.pop()

@@ -1,0 +1,95 @@
+"""NF4 kernels that look the levels up in shared memory (hybridcore/nf4.py's `pair_dot` and `nibble_dot`; imported on
+first use, as nf4_kernels is). scaled_dot looks each nibble up with a global load (an L1 hit, 64-bit address
+arithmetic, an fp32 result), scales it, and moves the levels through shared memory into the MMA's operand layout:
+bench/nf4_ptx.py counts ~18.5 instructions and ~30 bytes of L1/shared-memory traffic per weight byte in its loop.
+Here the table is a 1-D tl.gather, which Triton lowers to one shared-memory load per index with a 32-bit address,
+and the levels stay unscaled up to the MMA, one per quantisation block, whose fp32 result is scaled by the block's
+absmax: no per-element multiply. `pair_dot` looks up both levels of a byte at once, already in x's dtype, in a
+256-entry table of 16-bit pairs built in the kernel from the code: ~8 instructions and ~15 L1/shared bytes per
+weight byte (triton 3.6, sm_90), but a warp's 32 lookups land on ~3.2 distinct words a bank for uniform or
+NF4-quantised Gaussian bytes (simulated), so those loads take ~3 shared-memory passes each. `nibble_dot` looks up
+each nibble in the fp32 16-entry code (16 words, no conflicts) and rounds the levels to x's dtype (a conversion per
+two): ~13 instructions and ~19 bytes. Neither is timed yet;
+the levels still go through shared memory once, into the MMA's layout, as in scaled_dot (Triton does that for a
+gather's result)."""
+import triton
+import triton.language as tl
+
+from hybridcore.nf4_kernels import _finish, _scales
+
+
+@triton.jit
+def _pair_table(code_ptr, dtype: tl.constexpr):
+    """For every byte b, the levels of its two nibbles rounded to dtype (16-bit), packed as int32: code[b >> 4] (the
+    even column) in the low half, code[b & 15] in the high half, the order of two consecutive elements in a register."""
+    b = tl.arange(0, 256)
+    even = tl.load(code_ptr + (b >> 4)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    odd = tl.load(code_ptr + (b & 15)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
+    return even | (odd << 16)
+
+
+@triton.jit
+def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr, dtype: tl.constexpr):
+    """The unscaled levels [BLOCK_N, 2 * HB] in dtype of the bytes [BLOCK_N, HB], in column order. The gathers are
+    1-D: Triton lowers those through shared memory and leaves the index's layout alone (a 2-D tl.gather gets a
+    layout of its own, warp shuffles, and costs conversions of the bytes and of the levels)."""
+    flat = tl.reshape(byte.to(tl.int32), (BLOCK_N * HB,))
+    if PAIRS:
+        pair = tl.reshape(tl.gather(table, flat, 0), (BLOCK_N, HB))
+        even = pair.to(tl.int16).to(dtype, bitcast=True)
+        odd = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
+    else:
+        even = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, HB)).to(dtype)
+        odd = tl.reshape(tl.gather(table, flat & 15, 0), (BLOCK_N, HB)).to(dtype)
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * HB))
+
+
+@triton.jit
+def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm, kb, end, M, N, stride_xm,
+                   ROW_BYTES, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """The global loads of one step, the quantisation block at byte kb of rows rn (nothing past `end`: masked to
+    zeros, scale 0): its bytes [BLOCK_N, HB], absmax [BLOCK_N] and x's 2 * HB columns [BLOCK_M, 2 * HB]."""
+    ok = rn < tl.where(kb < end, N, 0)
+    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, HB)[None, :], mask=ok[:, None], other=0)
+    scale = _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn * (ROW_BYTES // HB) + kb // HB, ok, NESTED,
+                    BLOCK2)
+    x_ok = rm[:, None] < tl.where(kb < end, M, 0)
+    xv = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * kb + tl.arange(0, 2 * HB)[None, :], mask=x_ok, other=0.0)
+    return byte, scale, xv
+
+
+@triton.jit(do_not_specialize=["M"])
+def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr,
+                M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                PAIRS: tl.constexpr):
+    """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
+    step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
+    the MMA's wide operand, as in nf4_dot. Each step's global loads are issued one step ahead (in registers), so
+    that a program has the next block's bytes in flight while it looks up and multiplies this one. PAIRS: the
+    256-entry pair table (16-bit x only; fp32 x takes the 16-entry one)."""
+    HB: tl.constexpr = QBLOCK // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = tl.program_id(2) * PER_SPLIT
+    end = tl.minimum(start + PER_SPLIT, ROW_BYTES)
+    dtype = x_ptr.dtype.element_ty
+    if PAIRS:
+        table = _pair_table(code_ptr, dtype)
+    else:
+        table = tl.load(code_ptr + tl.arange(0, 16))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    byte, scale, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm, start, end,
+                                     M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+    for kb in range(start, end, HB):
+        byte2, scale2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm,
+                                            kb + HB, end, M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+        w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype)
+        if UPCAST:  # see nf4_dot
+            part = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
+        else:
+            part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
+        acc += part * scale[:, None]
+        byte, scale, xv = byte2, scale2, xv2
+    _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)
