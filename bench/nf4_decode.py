@@ -39,6 +39,18 @@ TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate":
 CONFIGS = [
     ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
     ("scaled_dot", dict(kernel="scaled_dot"), (8, 16, 64)),  # one MMA per 256 columns, levels scaled before it
+    # hybridcore/nf4_lut.py: levels looked up in shared memory (a 256-entry pair table / the 16-entry code), one MMA
+    # per quantisation block scaled after it, the next block's loads issued a step ahead; untimed until these rows
+    ("pair_dot", dict(kernel="pair_dot"), (8, 16, 64)),
+    ("nibble_dot", dict(kernel="nibble_dot"), (8, 16, 64)),
+    ("pair_dot_n256_w8", dict(kernel="pair_dot", block_n=256, num_warps=8), (8, 16)),
+    ("nibble_dot_n256_w8", dict(kernel="nibble_dot", block_n=256, num_warps=8), (8, 16)),
+    ("pair_dot_n64", dict(kernel="pair_dot", block_n=64), (8, 16)),
+    ("nibble_dot_n64", dict(kernel="nibble_dot", block_n=64), (8, 16)),
+    ("pair_dot_k64", dict(kernel="pair_dot", block_k=64), (8, 16)),  # 4x the splits of K (k, v: 64 of one step)
+    ("nibble_dot_k64", dict(kernel="nibble_dot", block_k=64), (8, 16)),
+    ("pair_dot_split1", dict(kernel="pair_dot", split_k=1), (8,)),  # no partial sums, 32-112 programs a linear
+    ("pair_dot_s2", dict(kernel="pair_dot", num_stages=2), (8,)),  # Triton's pipelining on top of the prefetch
     ("scaled_dot_n128", dict(kernel="scaled_dot", block_n=128), (8, 16)),
     ("scaled_dot_n32", dict(kernel="scaled_dot", block_n=32), (8, 16)),
     ("scaled_dot_k128", dict(kernel="scaled_dot", block_k=128), (8, 16)),

@@ -14,6 +14,8 @@ from bench.nf4_decode import CONFIGS  # noqa: E402  (torch and hybridcore.nf4 on
 N, K = 37, 192  # odd N: partial tiles of every block_n; K: 3 quantisation blocks, not a multiple of 128 or 256
 BATCHES = (1, 3, 8, 16, 64)
 SPEED_ONLY = ("num_warps", "num_stages")  # no effect under the interpreter
+# (config, batch) run on an fp32 absmax too
+PLAIN = (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8), ("pair_dot", 8), ("nibble_dot", 16))
 
 
 def _distinct() -> dict:
@@ -57,7 +59,8 @@ def errors_of_bad_calls(nf4, torch) -> dict:
              "dot_block_n": lambda: nf4.matmul(x, w, kernel="dot", block_n=8),
              "reduce": lambda: nf4.matmul(x, w, split_k=2, reduce="tree"),
              "lookup": lambda: nf4.matmul(x, w, lookup="gather"), "split_k": lambda: nf4.matmul(x, w, split_k=0),
-             "dtype": lambda: nf4.matmul(x.to(torch.int32), w), "vec": lambda: nf4.matmul(x, w, kernel="gemv", vec=32)}
+             "dtype": lambda: nf4.matmul(x.to(torch.int32), w), "vec": lambda: nf4.matmul(x, w, kernel="gemv", vec=32),
+             "lut_lookup": lambda: nf4.matmul(x, w, kernel="pair_dot", lookup="select")}
     out = {}
     for name, call in calls.items():
         try:
@@ -89,7 +92,7 @@ def main() -> None:
         err = float((got.float() - ref).abs().max() / ref.abs().max())
         out["matmul_err"][f"{name}-{m}-{dtype}"] = err if ok else -1
     w, want = weight(N, K, seed=5, nested=False)  # an fp32 absmax (no double quantisation): the kernels' other path
-    for name, m in (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8)):
+    for name, m in PLAIN:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m))
         out["plain_err"][f"{name}-{m}"] = float((nf4.matmul(x, w, **KERNEL_CONFIGS[name]) - x @ want.T).abs().max()
                                                 / (x @ want.T).abs().max())

@@ -8,7 +8,7 @@ import pytest
 
 from tests.hybridcore.interpreted import run_interpreted
 
-from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS
+from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS, PLAIN
 
 WORKER = Path(__file__).with_name("nf4_worker.py")
 
@@ -41,7 +41,7 @@ def test_double_quantised_absmax_is_read_in_place(results):
     assert results["absmax_uint8"] is True and results["absmax_float32"] is True
 
 
-@pytest.mark.parametrize("case", ["auto-1", "auto-8", "gemv-8", "dot-16", "scaled_dot-8"])
+@pytest.mark.parametrize("case", [f"{name}-{m}" for name, m in PLAIN])
 def test_fused_matmul_with_a_plain_absmax(results, case):
     """The kernels' path for an fp32 absmax (a weight quantised without double quantisation), fp32 x."""
     assert 0 <= results["plain_err"][case] <= 1e-5
@@ -61,6 +61,6 @@ def test_leading_dimensions(results):
     ("kernel", "expected 'gemv', 'dot'"), ("dot_block_n", "block_n 8, expected a power of two >= 16"),
     ("reduce", "reduce 'tree'"),
     ("lookup", "lookup 'gather'"), ("split_k", "split_k 0"), ("dtype", "expected a float dtype"),
-    ("vec", "vec 32, expected a power of two from 4 to 16")])
+    ("vec", "vec 32, expected a power of two from 4 to 16"), ("lut_lookup", "lookup 'select': pair_dot has its own")])
 def test_bad_calls_are_refused(results, call, message):
     assert message in results["bad_calls"][call]
