@@ -64,32 +64,42 @@ def reference(tmp_path_factory) -> dict:
     return out
 
 
-KILLS = ["sft:1", "sft:7", "sft:15", "sft:checkpoint:9", "reward:0", "reward:5", "reward:14",
-         "ppo:1", "ppo:4", "ppo:checkpoint:4"]
+# Each stage is killed at these points in turn, every run resuming the one before it (a point must lie ahead of the
+# checkpoint the previous kill left: ppo's checkpoint:4 before its plain step 4, which may already have saved step-4)
+CHAINS = {"sft": ("sft:1", "sft:7", "sft:checkpoint:9", "sft:15"), "reward": ("reward:0", "reward:5", "reward:14"),
+          "ppo": ("ppo:1", "ppo:checkpoint:4", "ppo:4")}
 
 
-@pytest.mark.parametrize("fault", KILLS)
-def test_kill_and_resume_is_exact(fault, reference, tmp_path):
-    """SIGKILL at the point, resume: same final weights and loss history; at most one checkpoint interval
-    of finished steps is redone."""
-    stage = fault.split(":")[0]
-    killed_at = int(fault.split(":")[-1])
+def newest_checkpoint(artifacts: Path, stage: str) -> int:
+    partial = next((artifacts / stage).glob("*.partial"))
+    done = sorted(int(p.name.split("-")[1]) for p in (partial / "checkpoints").glob("step-*"))
+    return done[-1] if done else 0
+
+
+@pytest.mark.parametrize("stage", CHAINS)
+def test_killed_again_and_again_resumes_exactly(stage, reference, tmp_path):
+    """SIGKILL at each point of the chain in turn, each run resuming from the checkpoint the kill before left: at most
+    one checkpoint interval of finished steps is lost each time (killed while writing step N: the previous checkpoint
+    is the newest valid one), and the last run's final weights and loss history equal an uninterrupted run's. One
+    chain a stage instead of a fresh run a point: the same points, ~half the steps, and resumes of resumed runs."""
     for dep in UPSTREAM[stage]:
         shutil.copytree(reference["root"] / dep, tmp_path / dep)
-    proc = run_stage(stage, tmp_path, fault)
-    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
-    partial = next((tmp_path / stage).glob("*.partial"))
-    done = sorted(int(p.name.split("-")[1]) for p in (partial / "checkpoints").glob("step-*"))
-    newest = done[-1] if done else 0
-    if "checkpoint" in fault:  # killed while writing step N: the previous checkpoint is the newest valid one
-        assert newest == killed_at - EVERY[stage]
-    else:
-        assert killed_at - EVERY[stage] < newest <= killed_at
+    newest = 0
+    for fault in CHAINS[stage]:
+        killed_at = int(fault.split(":")[-1])
+        proc = run_stage(stage, tmp_path, fault)
+        assert proc.returncode == -9, (fault, proc.returncode, proc.stderr[-2000:])
+        if newest:  # printed (flushed) before the kill
+            assert f"resuming from step-{newest}" in proc.stdout + proc.stderr, fault
+        newest = newest_checkpoint(tmp_path, stage)
+        if "checkpoint" in fault:
+            assert newest == killed_at - EVERY[stage], fault
+        else:
+            assert killed_at - EVERY[stage] < newest <= killed_at, fault
     proc = run_stage(stage, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(proc.stdout.strip().splitlines()[-1])
-    if newest:
-        assert f"resuming from step-{newest}" in proc.stdout + proc.stderr
+    assert f"resuming from step-{newest}" in proc.stdout + proc.stderr
     assert resumed["key"] == reference[stage]["key"]
     assert_same_weights(resumed["artifact"], reference[stage]["artifact"])
     assert resumed["metrics"]["train_loss"] == reference[stage]["metrics"]["train_loss"]
