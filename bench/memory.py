@@ -197,7 +197,7 @@ class Bench:
         self.ledger = MemoryLedger(device, models=models, engines=self.engines)
         self.build_s = time.perf_counter() - t0
         self.tok = SimpleNamespace(pad_token_id=PAD, eos_token_id=None)
-        self.actors: dict[bool, HybridActor] = {}
+        self.actors: dict[tuple, HybridActor] = {}  # (offload, fused, backend)
         g = torch.Generator().manual_seed(0)
         vocab = base.config.vocab_size
         n = 1 if self.grpo else 8  # grpo: one prompt, answered 8 times (the group)
@@ -205,6 +205,9 @@ class Bench:
                         for _ in range(8 // n)]
         self.responses = None
         self.rollout_fallback = None
+        # engine.rollout.decode_4bit: auto (stages/ppo.py's fused_decode): the fused NF4 kernel on a GPU, as every
+        # model here is 4-bit; bitsandbytes' own path on a CPU
+        self.fused_default = device.type == "cuda"
         self.it = 0
 
     def gae_roles(self, base):
@@ -239,7 +242,7 @@ class Bench:
         return Responses(self.it, [text(p) for p in self.prompts], [text(r) for r in responses],
                          [{} for _ in responses])
 
-    def actor(self, offload: bool, fused: bool = False, backend: str = "native") -> HybridActor:
+    def actor(self, offload: bool, fused: bool, backend: str = "native") -> HybridActor:
         """The hybrid actor of a row: the native rollout (fused: its 4-bit decode through the fused kernel), or
         backend "hf", transformers' generate on the same weights (the peer's rollout)."""
         key = offload, fused, backend
@@ -253,7 +256,7 @@ class Bench:
                                            backend_options=opts if backend == "native" else {}, fused_4bit=fused)
         return self.actors[key]
 
-    def rollout(self, offload: bool, fused: bool = False, backend: str = "native") -> list[list[int]]:
+    def rollout(self, offload: bool, fused: bool, backend: str = "native") -> list[list[int]]:
         actor = self.actor(offload, fused, backend)
         if offload:
             actor.reserve_host_states()  # pinned once, outside the transition, as stages/ppo.py does
@@ -390,27 +393,39 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
             ("optimizer states on the host", {"host_states": True}, "every engine's AdamW moments in pinned CPU "
                                                                     "memory between steps (engine.optimizer_states)"),
-            ("fused 4-bit decode", {"fused": True}, "decode steps' 4-bit linears through the fused NF4 kernel "
-                                                    "(engine.rollout.decode_4bit: fused)"),
+            ("bitsandbytes 4-bit decode", {"fused": False}, "decode steps' 4-bit linears through bitsandbytes "
+                                                           "(engine.rollout.decode_4bit: bitsandbytes), not the "
+                                                           "fused NF4 kernel the default takes on a GPU"),
             ("transformers generate (peer)", {"backend": "hf"}, "the rollout through transformers' generate (dynamic "
                                                                 "cache) on the same 4-bit + LoRA model: a peft user's")]
-GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "optimizer states on the host", "fused 4-bit decode")
+GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "optimizer states on the host", "bitsandbytes 4-bit decode")
 PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the ablation table's columns
           "grpo": ("rollout", "scoring", "actor_update")}
 
 
 def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
     """(name, step switches, what it changes) after the default row: gae's whole ablation for llama3-8b and tiny,
-    the fused decode alone for qwen2.5-14b; grpo's four rows for every shape (tiny: no fused row, CPU)."""
+    the bitsandbytes decode alone for qwen2.5-14b; grpo's four rows for every shape (tiny, a CPU run: no decode row,
+    its default already decodes through bitsandbytes)."""
     rows = ([r for r in ABLATION if r[0] in GRPO_ROWS] if estimator == "grpo" else
-            [r for r in ABLATION if r[0] == "fused 4-bit decode"] if shape == "qwen2.5-14b" else ABLATION)
-    return [r for r in rows if shape != "tiny" or not r[1].get("fused")]  # the kernel needs CUDA
+            [r for r in ABLATION if r[0] == "bitsandbytes 4-bit decode"] if shape == "qwen2.5-14b" else ABLATION)
+    return [r for r in rows if shape != "tiny" or "fused" not in r[1]]
 
 
-def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
+def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False) -> dict:
+    """One step with the row's switches. warm_rollout: a native rollout whose actor no earlier row built (another
+    decode path, the optimizer offloaded) first rolls out once untimed (compile and graph capture, as the warm-up
+    row did for the default's), so that its step is timed as the default's is; that warm-up's seconds are kept."""
     row = {"row": name, "switches": {k: v for k, v in sw.items()}}
     t0 = time.perf_counter()
+    backend = sw.get("backend", "native")
+    fused = sw.get("fused", b.fused_default and backend == "native")  # the fused decode is the native backend's
+    key = sw.get("offload", False), fused, backend
     try:
+        if warm_rollout and sw.get("rollout", True) and key[2] == "native" and key not in b.actors:
+            b.rollout(*key)
+            b.ledger.metrics()  # its phase record is not the row's
+            row["rollout_warmup_s"] = time.perf_counter() - t0
         if not sw.get("frozen", True):
             ctx = b.unfrozen()
         elif "attention" in sw:
@@ -419,8 +434,8 @@ def run_row(b: Bench, name: str, sw: dict, res: dict) -> dict:
             ctx = _null()
         with ctx:
             out = b.step(micro=sw.get("micro", 2), rollout=sw.get("rollout", True), offload=sw.get("offload", False),
-                         frozen=sw.get("frozen", True), fused=sw.get("fused", False),
-                         host_states=sw.get("host_states", False), backend=sw.get("backend", "native"))
+                         frozen=sw.get("frozen", True), fused=fused,
+                         host_states=sw.get("host_states", False), backend=backend)
         row.update(out)
         if not sw.get("rollout", True) and "rollout" in res.get("default", {}).get("phases", {}):
             row["phases"]["rollout"] = {**res["default"]["phases"]["rollout"], "reused": True}
@@ -491,6 +506,8 @@ def markdown(res: dict) -> str:
                 note += f" backed off to {r['backed_off']}"
             if ph.get("rollout", {}).get("reused"):
                 note += " rollout reused from default"
+            if "rollout_warmup_s" in r:
+                note += f" (rollout warmed first: {r['rollout_warmup_s']:.0f} s)"
             peak = "OOM" if "oom" in r else gib(r.get("peak_gib"))
             s = "" if "oom" in r or "phase_s" not in r else f"{r['phase_s']:.1f}"
             cells = [gib(ph[k]["peak_gib"]) if k in ph else "" for k in phases]
@@ -541,7 +558,8 @@ def main() -> int:
                     help="gae: actor, critic and reward model; grpo: the actor alone, 1 prompt x 8, a Python reward")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--rows", nargs="+", metavar="ROW",
-                    help="run only these rows after the default (names as in the table, e.g. 'fused 4-bit decode')")
+                    help="run only these rows after the default (names as in the table, e.g. 'bitsandbytes 4-bit "
+                         "decode')")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
@@ -605,17 +623,20 @@ def main() -> int:
     if "peak_gib" in default:
         default["target_met"] = default["peak_gib"] <= TARGET_GIB.get(a.shape, CAP_GIB)
     res["default"] = default
-    res["rollout_stats"] = {k: v for k, v in b.actor(False).last_stats.items()}
+    res["rollout_stats"] = {k: v for k, v in b.actor(False, b.fused_default).last_stats.items()}
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []
     for name, sw, what in [r for r in rows_for(a.shape, a.estimator) if not a.rows or r[0] in a.rows]:
         left = a.budget_s - (time.perf_counter() - t_start)
         est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
+        if sw.get("rollout", True) and sw.get("backend", "native") == "native" and (
+                sw.get("offload", False), sw.get("fused", b.fused_default), "native") not in b.actors:
+            est += max(0.0, warm.get("wall_s", 0) - default.get("wall_s", 0))  # its rollout's compile + capture
         if left < est * 1.3:
             res["ablation"].append({"row": name, "what": what, "skipped": f"budget ({left:.0f} s left)"})
             continue
-        row = run_row(b, name, sw, res)
+        row = run_row(b, name, sw, res, warm_rollout=True)
         row["what"] = what
         res["ablation"].append(row)
         save(res, a.out)

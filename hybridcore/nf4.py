@@ -5,12 +5,12 @@ at batch 8 reads each weight three times (4-bit in, bf16 out, bf16 in again), an
 bytes it reads: these kernels read the packed weight once and multiply as they go. More than one kernel, because the
 batch decides what runs out first: for a row or two the fp32 FMAs are few (`gemv`); beyond that they outgrow the
 dequantisation and the tensor cores take them (`dot`, the weight as the MMA's wide operand; `scaled_dot`, the same
-with one MMA per tile of K, the levels scaled before it, the fastest at 3-16 rows timed so far; `pair_dot` and
-`nibble_dot`, hybridcore/nf4_lut.py, look the levels up in shared memory, for fewer instructions per byte). K is
+with one MMA per tile of K, the levels scaled before it; `pair_dot` and `nibble_dot`, hybridcore/nf4_lut.py, look
+the levels up in shared memory, for fewer instructions per byte: nibble_dot is the fastest at 8-16 rows timed). K is
 split among programs because a step's narrow linears (k/v: 1024 rows) would leave most SMs idle, and the splits are
 added up inside the kernel because a zeroed buffer and a cast would be two more launches for each of a step's 224
 linears.
-The default tiles and SCALED_DOT_MAX_M were timed on an H100 (bench/nf4_decode.py, bench/RESULTS.md); GEMV_MAX_M is
+The default tiles and NIBBLE_DOT_MAX_M were timed on an H100 (bench/nf4_decode.py, bench/RESULTS.md); GEMV_MAX_M is
 still a guess (one-row steps stay on bitsandbytes, which is faster there). K must be whole quantisation blocks (true of the usual hidden sizes), so that a block's absmax is one row's.
 
 Training keeps bitsandbytes' own path; this is for inference on weights that do not change inside a rollout.
@@ -83,17 +83,16 @@ class NF4Weight:
 
 
 GEMV_MAX_M = 2  # batches up to this many rows take `gemv` (a guess: see the module docstring)
-SCALED_DOT_MAX_M = 16  # then up to this many `scaled_dot` (timed at 8 and 16 rows), larger ones `dot`
-# dot: the fastest of 28 configs at batch 8 on an H100 (8.23 ms for the Llama-3-8B decoder's 224 linears against
-# bitsandbytes' 11.44; 64 x 128 with 3 stages, the first guess, was slower); scaled_dot with 128-column blocks: 7.46
-# ms at batch 8 and 7.50 at 16 in the same run as dot's 8.24 and 8.31 (256-column blocks 7.68), the fastest of the
-# 46 configs timed; bench/RESULTS.md 2026-12-06
+NIBBLE_DOT_MAX_M = 16  # then up to this many `nibble_dot` (timed at 8 and 16 rows), larger ones `dot`
+# The Llama-3-8B decoder's 224 linears in one CUDA graph, per decode step, H100 (bench/RESULTS.md 2026-12-07):
+# nibble_dot 5.73 ms at batch 8 and 5.84 at 16 (bf16 dense 5.58 / 5.83, bitsandbytes 11.60 / 11.65), pair_dot 6.05 /
+# 6.14, scaled_dot 7.36 / 7.46, dot 8.28 / 8.28, in the same run; the LUT kernels' defaults were the fastest of their
+# configs timed (n64, k64, 2 stages, 256 rows with 8 warps all slower). scaled_dot's and dot's tiles: 2026-12-06.
 DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
             "scaled_dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=1),
-            # nf4_lut.py's, not timed yet: 128 rows of W a program (bench/nf4_ptx.py: fewer instructions and
-            # L1/shared bytes per weight byte than 64 rows, 4 programs an SM, no spills), one quantisation block a
-            # step; block_k only sizes the splits of K: 256 gives k and v 16 splits of 4 steps, not 64 of one
+            # 128 rows of W a program, one quantisation block a step; block_k only sizes the splits of K: 256
+            # gives k and v 16 splits of 4 steps, not 64 of one
             "pair_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1),
             "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1)}
 KERNELS = ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot")
@@ -110,7 +109,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
 
     kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it),
     "pair_dot" / "nibble_dot" (levels looked up in shared memory, a byte or a nibble at a time: nf4_lut.py), or None
-    (by the batch: GEMV_MAX_M, SCALED_DOT_MAX_M); unset tiles, warps and stages come from DEFAULTS.
+    (by the batch: GEMV_MAX_M, NIBBLE_DOT_MAX_M); unset tiles, warps and stages come from DEFAULTS.
     block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
     64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
     takes at a time, 16 (default up to 4 rows of x) or 8 (fewer registers for more rows). split_k: programs sharing
@@ -123,7 +122,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
 
     n, k = w.shape
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "scaled_dot" if m <= SCALED_DOT_MAX_M else "dot")
+    kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "nibble_dot" if m <= NIBBLE_DOT_MAX_M else "dot")
     given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
     bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64

@@ -31,14 +31,24 @@ def _weight_block(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_pt
                   WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                   SELECT: tl.constexpr):
     """WIDTH bytes from byte kb of rows rn (inside one quantisation block of HB bytes): the levels of their even and
-    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (_scales). Bytes past the
-    row's end read as zeros and scale by 0 (K is whole blocks, so a block is all in or all out)."""
-    ok = rn < tl.where(kb < ROW_BYTES, N, 0)  # not (rn < N) & (kb < ...): the interpreter makes that int32
-    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, WIDTH)[None, :], mask=ok[:, None], other=0)
+    odd columns [BLOCK_N, WIDTH] (fp32, not yet scaled) and the rows' absmax [BLOCK_N] (_weight_bytes)."""
+    byte, scale = _weight_bytes(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, kb, ROW_BYTES, N,
+                                ROW_BYTES, WIDTH, HB, NESTED, BLOCK2)
     byte = byte.to(tl.int32)
+    return _level(byte >> 4, code_ptr, SELECT), _level(byte & 15, code_ptr, SELECT), scale
+
+
+@triton.jit
+def _weight_bytes(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, kb, end, N, ROW_BYTES,
+                  WIDTH: tl.constexpr, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """The packed bytes [BLOCK_N, WIDTH] from byte kb of rows rn (inside one quantisation block of HB bytes) and the
+    rows' absmax [BLOCK_N] (_scales). Rows past N and a kb at or past `end` read as zeros and scale by 0 (K is whole
+    blocks, so a block is all in or all out)."""
+    ok = rn < tl.where(kb < end, N, 0)  # not (rn < N) & (kb < end): the interpreter makes that int32
+    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, WIDTH)[None, :], mask=ok[:, None], other=0)
     scale = _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn * (ROW_BYTES // HB) + kb // HB, ok, NESTED,
                     BLOCK2)
-    return _level(byte >> 4, code_ptr, SELECT), _level(byte & 15, code_ptr, SELECT), scale
+    return byte, scale
 
 
 @triton.jit

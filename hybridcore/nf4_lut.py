@@ -9,13 +9,14 @@ absmax: no per-element multiply. `pair_dot` looks up both levels of a byte at on
 weight byte (triton 3.6, sm_90), but a warp's 32 lookups land on ~3.2 distinct words a bank for uniform or
 NF4-quantised Gaussian bytes (simulated), so those loads take ~3 shared-memory passes each. `nibble_dot` looks up
 each nibble in the fp32 16-entry code (16 words, no conflicts) and rounds the levels to x's dtype (a conversion per
-two): ~13 instructions and ~19 bytes. Neither is timed yet;
+two): ~13 instructions and ~19 bytes. Timed (the 8B decoder's linears, batch 8, H100, bench/RESULTS.md
+2026-12-07): nibble_dot 5.73 ms, pair_dot 6.05, scaled_dot 7.36, so nibble_dot is `auto`'s kernel for 3-16 rows;
 the levels still go through shared memory once, into the MMA's layout, as in scaled_dot (Triton does that for a
 gather's result)."""
 import triton
 import triton.language as tl
 
-from hybridcore.nf4_kernels import _finish, _scales
+from hybridcore.nf4_kernels import _finish, _weight_bytes
 
 
 @triton.jit
@@ -49,10 +50,8 @@ def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                    ROW_BYTES, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
     """The global loads of one step, the quantisation block at byte kb of rows rn (nothing past `end`: masked to
     zeros, scale 0): its bytes [BLOCK_N, HB], absmax [BLOCK_N] and x's 2 * HB columns [BLOCK_M, 2 * HB]."""
-    ok = rn < tl.where(kb < end, N, 0)
-    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, HB)[None, :], mask=ok[:, None], other=0)
-    scale = _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn * (ROW_BYTES // HB) + kb // HB, ok, NESTED,
-                    BLOCK2)
+    byte, scale = _weight_bytes(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, kb, end, N, ROW_BYTES, HB,
+                                HB, NESTED, BLOCK2)
     x_ok = rm[:, None] < tl.where(kb < end, M, 0)
     xv = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * kb + tl.arange(0, 2 * HB)[None, :], mask=x_ok, other=0.0)
     return byte, scale, xv
