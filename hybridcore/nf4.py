@@ -104,7 +104,8 @@ _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reductio
 def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: int | None = None,
            block_k: int | None = None, block_m: int | None = None, vec: int | None = None,
            split_k: int | str = "auto", reduce: str = "serial", num_warps: int | None = None,
-           num_stages: int | None = None, lookup: str = "table") -> torch.Tensor:
+           num_stages: int | None = None, lookup: str = "table",
+           lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
     kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it),
@@ -117,7 +118,10 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     or "atomic" (fp32 atomic adds into a zeroed buffer, then a cast: two more launches). lookup: "table" (a load
     from the 16-entry code) or "select" (a tree of selects; pair_dot and nibble_dot have their own tables). dot
     rounds the levels to x's dtype for the MMA (fp32 x: full-precision FMAs, slow). Splitting keeps counters on the
-    device, one per output tile: calls that split K must not run concurrently on two streams."""
+    device, one per output tile: calls that split K must not run concurrently on two streams.
+    lora: (u [..., R], lora_b [N, R], scale fp32 [1]) adds (u @ lora_b^T) * scale to the product, u being x @ lora_a^T
+    (a LoRA adapter's first product, computed by the caller), in fp32 before the result is rounded to x's dtype:
+    inside the kernel for pair_dot and nibble_dot (the first split of each tile adds it), in torch after the others."""
     import triton
 
     n, k = w.shape
@@ -128,6 +132,8 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64
     cfg.update(block_m=bm, vec=vec or (16 if bm <= 4 else 8), split_k=split_k, reduce=reduce, lookup=lookup)
     _check(x, w, kernel, cfg)
+    if lora is not None:
+        _check_lora(x, w, *lora)
     lead, x2, bn, bk = x.shape[:-1], x.reshape(-1, k).contiguous(), cfg["block_n"], cfg["block_k"]
     if m == 0:
         return x.new_empty(*lead, n)
@@ -146,11 +152,20 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
         extra["PAIRS"] = kernel == "pair_dot" and x.dtype != torch.float32
+        if lora is not None:
+            u, lora_b, scale = lora[0].reshape(-1, lora[0].shape[-1]), lora[1].contiguous(), lora[2]
+            if u.stride(-1) != 1:
+                u = u.contiguous()
+            extra.update(u_ptr=u, lora_b_ptr=lora_b, scale_ptr=scale, R=u.shape[1], stride_um=u.stride(0), LORA=True,
+                         R_PAD=max(16, _pow2(u.shape[1])))
     outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
         per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
         REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+    if lora is not None and kernel not in LUT_KERNELS:
+        u, lora_b, scale = lora
+        y = y.float() + (u.reshape(m, -1).float() @ lora_b.float().T) * scale
     return y.to(x.dtype).reshape(*lead, n)
 
 
@@ -178,6 +193,22 @@ def _check(x, w, kernel, cfg) -> None:
         (cfg["split_k"] != "auto" and not (isinstance(cfg["split_k"], int) and cfg["split_k"] >= 1),
          f"split_k {cfg['split_k']!r}, expected a positive int or 'auto'"),
         (n * k >= 2 ** 31, f"weight of {n * k} elements: 2**31 or more overflow the kernels' int32 offsets"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ValueError(f"nf4.matmul: {message}")
+
+
+def _check_lora(x, w, u, lora_b, scale) -> None:
+    """The ValueErrors of matmul's `lora`: u one row of R per row of x, lora_b [N, R], scale one fp32 number."""
+    n, r = w.shape[0], u.shape[-1]
+    problems = [
+        (u.shape[:-1] != x.shape[:-1], f"lora u is {tuple(u.shape)}, expected x's rows {tuple(x.shape[:-1])} x rank"),
+        (tuple(lora_b.shape) != (n, r), f"lora_b is {tuple(lora_b.shape)}, expected ({n}, {r}): output features x rank"),
+        (not 1 <= r <= 256, f"LoRA rank {r}, expected 1 to 256"),
+        (scale.numel() != 1 or scale.dtype != torch.float32, "lora scale: expected a one-element float32 tensor"),
+        (u.dtype not in (torch.float32, torch.bfloat16, torch.float16) or lora_b.dtype != u.dtype,
+         f"lora u is {u.dtype} and lora_b {lora_b.dtype}, expected one float dtype"),
     ]
     for bad, message in problems:
         if bad:

@@ -57,17 +57,30 @@ def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
     return byte, scale, xv
 
 
+@triton.jit
+def _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD: tl.constexpr):
+    """(lora_b[rn] [BLOCK_N, R] @ u[rm]^T [R, BLOCK_M]) * scale in fp32, the rank padded to R_PAD (>= 16, a power
+    of two: tl.dot's smallest side) with zeros. A few KB a program: plain fp32 FMAs, no tensor-core rounding."""
+    rr = tl.arange(0, R_PAD)
+    b = tl.load(lora_b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
+    u = tl.load(u_ptr + rm[None, :] * stride_um + rr[:, None], mask=(rr[:, None] < R) & (rm[None, :] < M), other=0.0)
+    return tl.dot(b.to(tl.float32), u.to(tl.float32), input_precision="ieee") * tl.load(scale_ptr)
+
+
 @triton.jit(do_not_specialize=["M"])
 def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr,
                 M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                 REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                PAIRS: tl.constexpr):
+                PAIRS: tl.constexpr, u_ptr=None, lora_b_ptr=None, scale_ptr=None, R=0, stride_um=0,
+                LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16):
     """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
     step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
     the MMA's wide operand, as in nf4_dot. Each step's global loads are issued one step ahead (in registers), so
     that a program has the next block's bytes in flight while it looks up and multiplies this one. PAIRS: the
-    256-entry pair table (16-bit x only; fp32 x takes the 16-entry one)."""
+    256-entry pair table (16-bit x only; fp32 x takes the 16-entry one). LORA: the first split of each tile also
+    adds a LoRA delta, (lora_b [N, R] @ u^T [R, M]) * scale, u = x @ lora_a^T computed by the caller, in fp32
+    before the splits meet: the adapter's B product and its add are no launches of their own."""
     HB: tl.constexpr = QBLOCK // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,4 +104,7 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
             part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
         acc += part * scale[:, None]
         byte, scale, xv = byte2, scale2, xv2
+    if LORA:
+        if tl.program_id(2) == 0:
+            acc += _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)

@@ -61,11 +61,12 @@ def compiled_step(model) -> dict:
 def main() -> None:
     model, tok = model_and_tokenizer()
     prompts = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(TEXTS[:3])]
-    calls = {"rows": []}
+    calls = {"rows": [], "lora": 0}
     plain_matmul = nf4.matmul
 
     def counted(x, w, *args, **kwargs):
         calls["rows"].append(x.numel() // x.shape[-1])
+        calls["lora"] += kwargs.get("lora") is not None
         return plain_matmul(x, w, *args, **kwargs)
     nf4.matmul = counted
     out = {}
@@ -75,7 +76,7 @@ def main() -> None:
             out[str(fused)] = actor.generate(prompts, 6, greedy=True)
             out[f"logp_{fused}"] = actor.last_logprobs
         out["restored"] = not any("forward" in vars(m) for m in model.modules())
-    out["fused_calls"] = len(calls["rows"])
+    out["fused_calls"], out["lora_calls"] = len(calls["rows"]), calls["lora"]
     out["fused_rows"] = sorted(set(calls["rows"]))
     for fused in (False, True):  # one prompt: its decode steps are one row, which bitsandbytes' gemv takes
         actor = HybridActor(model, tok, fused_4bit=fused)

@@ -16,6 +16,10 @@ BATCHES = (1, 3, 8, 16, 64)
 SPEED_ONLY = ("num_warps", "num_stages")  # no effect under the interpreter
 # (config, batch) run on an fp32 absmax too
 PLAIN = (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8), ("pair_dot", 8), ("nibble_dot", 16))
+# (kernel, rows, LoRA rank, x's dtype, split_k) with a LoRA delta: in the LUT kernels (a rank padded to 16, one of
+# 16, split and not) and added after the others
+LORA = (("nibble_dot", 8, 16, "float32", "auto"), ("nibble_dot", 3, 5, "bfloat16", 1), ("pair_dot", 16, 8, "bfloat16", 2),
+        ("pair_dot", 8, 32, "float32", "auto"), ("scaled_dot", 8, 16, "float32", "auto"), ("gemv", 2, 8, "bfloat16", "auto"))
 
 
 def _distinct() -> dict:
@@ -60,7 +64,10 @@ def errors_of_bad_calls(nf4, torch) -> dict:
              "reduce": lambda: nf4.matmul(x, w, split_k=2, reduce="tree"),
              "lookup": lambda: nf4.matmul(x, w, lookup="gather"), "split_k": lambda: nf4.matmul(x, w, split_k=0),
              "dtype": lambda: nf4.matmul(x.to(torch.int32), w), "vec": lambda: nf4.matmul(x, w, kernel="gemv", vec=32),
-             "lut_lookup": lambda: nf4.matmul(x, w, kernel="pair_dot", lookup="select")}
+             "lut_lookup": lambda: nf4.matmul(x, w, kernel="pair_dot", lookup="select"),
+             "lora_b": lambda: nf4.matmul(x, w, lora=(torch.zeros(2, 8), torch.zeros(8, 64), torch.ones(1))),
+             "lora_u": lambda: nf4.matmul(x, w, lora=(torch.zeros(3, 8), torch.zeros(64, 8), torch.ones(1))),
+             "lora_scale": lambda: nf4.matmul(x, w, lora=(torch.zeros(2, 8), torch.zeros(64, 8), torch.ones(2)))}
     out = {}
     for name, call in calls.items():
         try:
@@ -68,6 +75,22 @@ def errors_of_bad_calls(nf4, torch) -> dict:
             out[name] = ""
         except ValueError as e:
             out[name] = str(e)
+    return out
+
+
+def lora_errors(nf4, torch, w, want) -> dict:
+    """Relative error of matmul with `lora` against x @ W^T + (x @ A^T @ B^T) * scale in fp32, per LORA case."""
+    out = {}
+    for kernel, m, r, dtype, split in LORA:
+        g = torch.Generator().manual_seed(300 + m + r)
+        x = torch.randn(m, K, generator=g).to(getattr(torch, dtype))
+        a, b = torch.randn(r, K, generator=g) * 0.1, torch.randn(N, r, generator=g)
+        u, scale = x.float() @ a.T, torch.tensor([2.0 / r])
+        ref = x.float() @ want.T + (u @ b.T) * scale
+        got = nf4.matmul(x, w, kernel=kernel, split_k=split, lora=(u, b, scale))
+        ok = got.shape == (m, N) and got.dtype == x.dtype
+        out[f"{kernel}-{m}-r{r}-{dtype}-split{split}"] = (
+            float((got.float() - ref).abs().max() / ref.abs().max()) if ok else -1.0)
     return out
 
 
@@ -96,6 +119,7 @@ def main() -> None:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(200 + m))
         out["plain_err"][f"{name}-{m}"] = float((nf4.matmul(x, w, **KERNEL_CONFIGS[name]) - x @ want.T).abs().max()
                                                 / (x @ want.T).abs().max())
+    out["lora_err"] = lora_errors(nf4, torch, w, want)
     out["counters_zero"] = all(int(c.abs().sum()) == 0 for c in nf4._COUNTERS.values()) and bool(nf4._COUNTERS)
     w, whole = weight(64, 128, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))

@@ -8,7 +8,7 @@ import pytest
 
 from tests.hybridcore.interpreted import run_interpreted
 
-from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS, PLAIN
+from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS, LORA, PLAIN
 
 WORKER = Path(__file__).with_name("nf4_worker.py")
 
@@ -47,6 +47,14 @@ def test_fused_matmul_with_a_plain_absmax(results, case):
     assert 0 <= results["plain_err"][case] <= 1e-5
 
 
+@pytest.mark.parametrize("kernel, m, r, dtype, split", LORA)
+def test_fused_matmul_adds_a_lora_delta(results, kernel, m, r, dtype, split):
+    """matmul(lora=(x @ A^T, B, scale)) equals x @ W^T + (x @ A^T @ B^T) * scale: in pair_dot's and nibble_dot's
+    epilogue (ranks below 16 padded, split K adding the delta once), after the other kernels."""
+    err = results["lora_err"][f"{kernel}-{m}-r{r}-{dtype}-split{split}"]
+    assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), err
+
+
 def test_split_counters_left_at_zero(results):
     """The in-kernel split reduction's counters are zero again after every call that used them."""
     assert results["counters_zero"] is True
@@ -61,6 +69,8 @@ def test_leading_dimensions(results):
     ("kernel", "expected 'gemv', 'dot'"), ("dot_block_n", "block_n 8, expected a power of two >= 16"),
     ("reduce", "reduce 'tree'"),
     ("lookup", "lookup 'gather'"), ("split_k", "split_k 0"), ("dtype", "expected a float dtype"),
-    ("vec", "vec 32, expected a power of two from 4 to 16"), ("lut_lookup", "lookup 'select': pair_dot has its own")])
+    ("vec", "vec 32, expected a power of two from 4 to 16"), ("lut_lookup", "lookup 'select': pair_dot has its own"),
+    ("lora_b", "lora_b is (8, 64), expected (64, 8)"), ("lora_u", "expected x's rows (2,)"),
+    ("lora_scale", "one-element float32")])
 def test_bad_calls_are_refused(results, call, message):
     assert message in results["bad_calls"][call]

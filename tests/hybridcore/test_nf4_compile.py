@@ -31,10 +31,15 @@ class Recorder:
 def compile_launch(fn, args, kwargs, reduce: int) -> None:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages")}
     constexprs = {p.name for p in fn.params if p.is_constexpr}
-    signature, values = {}, dict(zip(fn.arg_names, args))
+    defaults = {p.name: p.default for p in fn.params if p.has_default}
+    values = {**defaults, **dict(zip(fn.arg_names, args)), **{k: v for k, v in kwargs.items() if k not in constexprs}}
+    kwargs = {k: v for k, v in kwargs.items() if k in constexprs}
+    signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif values[name] is None:  # an optional pointer left out (nf4_lut_dot's LoRA operands): a constant
+            signature[name], kwargs[name] = "constexpr", None
         elif isinstance(values[name], torch.Tensor):
             signature[name] = POINTER[values[name].dtype]
         else:
@@ -45,13 +50,15 @@ def compile_launch(fn, args, kwargs, reduce: int) -> None:
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-# (kernel, batch, double-quantised absmax, x dtype, split-K reduction: 0 none, 1 atomic, 2 serial)
-# (pair_dot with fp32 x looks up nibbles, with fp16 x builds its pair table in fp16)
-LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2), ("dot", 8, True, torch.bfloat16, 2),
-            ("scaled_dot", 8, True, torch.bfloat16, 2), ("dot", 16, False, torch.float32, 0),
-            ("dot", 64, True, torch.bfloat16, 1), ("pair_dot", 8, True, torch.bfloat16, 2),
-            ("nibble_dot", 16, True, torch.bfloat16, 2), ("pair_dot", 16, False, torch.float32, 0),
-            ("pair_dot", 8, True, torch.float16, 1)]
+# (kernel, batch, double-quantised absmax, x dtype, split-K reduction: 0 none, 1 atomic, 2 serial, LoRA rank or 0)
+# (pair_dot with fp32 x looks up nibbles, with fp16 x builds its pair table in fp16; the LoRA epilogue: fp32 A and
+# B as peft keeps them, rank 16 and 8 padded to 16)
+LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2, 0), ("dot", 8, True, torch.bfloat16, 2, 0),
+            ("scaled_dot", 8, True, torch.bfloat16, 2, 0), ("dot", 16, False, torch.float32, 0, 0),
+            ("dot", 64, True, torch.bfloat16, 1, 0), ("pair_dot", 8, True, torch.bfloat16, 2, 0),
+            ("nibble_dot", 16, True, torch.bfloat16, 2, 0), ("pair_dot", 16, False, torch.float32, 0, 0),
+            ("pair_dot", 8, True, torch.float16, 1, 0), ("nibble_dot", 8, True, torch.bfloat16, 2, 16),
+            ("nibble_dot", 8, True, torch.bfloat16, 0, 8)]
 
 
 def failure(launch: str, e: Exception) -> str:
@@ -66,13 +73,14 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
     recorded, failures, kernel_of = [], [], nf4._kernel
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while unset; 1 is its (and 3.6's) default
     monkeypatch.setattr(nf4, "_kernel", lambda name: Recorder(kernel_of(name), recorded))
-    for kernel, m, nested, dtype, reduce in LAUNCHES:
-        nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(N, K, seed=0, nested=nested)[0], kernel=kernel)
+    for kernel, m, nested, dtype, reduce, rank in LAUNCHES:
+        lora = (torch.zeros(m, rank), torch.zeros(N, rank), torch.ones(1)) if rank else None
+        nf4.matmul(torch.zeros(m, K, dtype=dtype), weight(N, K, seed=0, nested=nested)[0], kernel=kernel, lora=lora)
         fn, args, kwargs = recorded.pop()
         kwargs.pop("REDUCE")  # a CPU has one "SM": split_k="auto" split nothing here; on a GPU it does
         try:
             compile_launch(fn, args, kwargs, reduce)
         except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
-            failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}", e))
+            failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}, rank {rank}", e))
     assert {k for k, *_ in LAUNCHES} == set(nf4.KERNELS)
     assert not failures, "\n".join(failures)

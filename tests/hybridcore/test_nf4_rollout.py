@@ -26,10 +26,12 @@ def test_fused_greedy_tokens_equal_the_bitsandbytes_rollout(results):
 
 
 def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(results):
-    """Every bitsandbytes Linear4bit (not peft's wrapper of it) once per decode step at the batch's rows; the
-    prefill stays on bitsandbytes; after the rollout the layers have their own forwards again."""
+    """Every bitsandbytes Linear4bit once per decode step at the batch's rows, through its peft wrapper's forward
+    with the adapter's delta (nf4.matmul's `lora`); the prefill stays on bitsandbytes; after the rollout the layers
+    and wrappers have their own forwards again."""
     assert results["linear4bit"] == 14  # 2 layers x 7 projections
     assert results["fused_calls"] == results["linear4bit"] * DECODE_STEPS
+    assert results["lora_calls"] == results["fused_calls"]  # each adapter's delta in the kernel's epilogue
     assert results["fused_rows"] == [PROMPTS]
     assert results["restored"] is True
 
