@@ -151,21 +151,14 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
-        extra["PAIRS"] = kernel == "pair_dot" and x.dtype != torch.float32
-        if lora is not None:
-            u, lora_b, scale = lora[0].reshape(-1, lora[0].shape[-1]), lora[1].contiguous(), lora[2]
-            if u.stride(-1) != 1:
-                u = u.contiguous()
-            extra.update(u_ptr=u, lora_b_ptr=lora_b, scale_ptr=scale, R=u.shape[1], stride_um=u.stride(0), LORA=True,
-                         R_PAD=max(16, _pow2(u.shape[1])))
+        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32, **_lora_arguments(lora))
     outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
         per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
         REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
-    if lora is not None and kernel not in LUT_KERNELS:
-        u, lora_b, scale = lora
-        y = y.float() + (u.reshape(m, -1).float() @ lora_b.float().T) * scale
+    if lora is not None and kernel not in LUT_KERNELS:  # their epilogue has added it
+        y = y.float() + (lora[0].reshape(m, -1).float() @ lora[1].float().T) * lora[2]
     return y.to(x.dtype).reshape(*lead, n)
 
 
@@ -197,6 +190,16 @@ def _check(x, w, kernel, cfg) -> None:
     for bad, message in problems:
         if bad:
             raise ValueError(f"nf4.matmul: {message}")
+
+
+def _lora_arguments(lora) -> dict:
+    """nf4_lut_dot's LoRA epilogue arguments for matmul's `lora` (none without one)."""
+    if lora is None:
+        return {}
+    u, lora_b, scale = lora[0].reshape(-1, lora[0].shape[-1]), lora[1].contiguous(), lora[2]
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    return dict(u_ptr=u, lora_b_ptr=lora_b, scale_ptr=scale, R=u.shape[1], stride_um=u.stride(0), LORA=True,
+                R_PAD=max(16, _pow2(u.shape[1])))
 
 
 def _check_lora(x, w, u, lora_b, scale) -> None:
