@@ -70,9 +70,13 @@ CHAINS = {"sft": ("sft:1", "sft:7", "sft:checkpoint:9", "sft:15"), "reward": ("r
           "ppo": ("ppo:1", "ppo:checkpoint:4", "ppo:4")}
 
 
+def checkpoints(artifacts: Path, stage: str) -> Path:
+    """The checkpoints folder of the stage's unfinished (.partial) artifact."""
+    return next((artifacts / stage).glob("*.partial")) / "checkpoints"
+
+
 def newest_checkpoint(artifacts: Path, stage: str) -> int:
-    partial = next((artifacts / stage).glob("*.partial"))
-    done = sorted(int(p.name.split("-")[1]) for p in (partial / "checkpoints").glob("step-*"))
+    done = sorted(int(p.name.split("-")[1]) for p in checkpoints(artifacts, stage).glob("step-*"))
     return done[-1] if done else 0
 
 
@@ -111,7 +115,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     still exact."""
     proc = run_stage("sft", tmp_path, "sft:10")
     assert proc.returncode == -9
-    ckpts = next((tmp_path / "sft").glob("*.partial")) / "checkpoints"
+    ckpts = checkpoints(tmp_path, "sft")
     newest = ckpts / "step-9"
     blob = newest / "model.safetensors"
     blob.write_bytes(blob.read_bytes()[:100])
@@ -136,8 +140,7 @@ def test_nan_loss_stops_naming_the_step_and_skip_resumes_past_it(reference, tmp_
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     [line] = error_lines(proc.stderr)
     assert "sft step 7" in line and "loss=nan" in line and "on_nonfinite: skip" in line, line
-    partial = next((tmp_path / "sft").glob("*.partial"))
-    assert (partial / "checkpoints" / "step-6").is_dir()
+    assert (checkpoints(tmp_path, "sft") / "step-6").is_dir()
     proc = run_stage("sft", tmp_path, "sft:nan:7", extra=("sft.on_nonfinite=skip",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step-6" in proc.stdout
@@ -167,7 +170,7 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(reference, 
     [line] = error_lines(proc.stderr)
     assert "could not write checkpoint step-6" in line and "No space left on device" in line, line
     assert "step-3 is intact" in line, line
-    ckpts = next((tmp_path / "sft").glob("*.partial")) / "checkpoints"
+    ckpts = checkpoints(tmp_path, "sft")
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-3"]
     from hybridcore.checkpoint import Checkpointer
     assert Checkpointer(ckpts.parent, "sft", 3, 2).verify(ckpts / "step-3") is None
@@ -240,8 +243,7 @@ def test_sigterm_stops_gracefully_with_a_checkpoint(reference, tmp_path):
     proc = run_stage("sft", tmp_path, "sft:term:4")
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert "interrupted: sft stopped after step 5" in proc.stderr
-    partial = next((tmp_path / "sft").glob("*.partial"))
-    assert (partial / "checkpoints" / "step-5").is_dir()
+    assert (checkpoints(tmp_path, "sft") / "step-5").is_dir()
     proc = run_stage("sft", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step-5" in proc.stdout

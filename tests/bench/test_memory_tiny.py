@@ -1,0 +1,31 @@
+"""bench/memory.py --shape tiny on CPU: the PPO memory bench end to end (the pipeline's PpoStep, the ledger's
+phases, every ablation row of the tiny shape), its JSON complete. The GPU figures come from the same code paths."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def test_tiny_run_times_every_row(tmp_path):
+    from bench.memory import PHASES, rows_for
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--shape", "tiny", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "memory-tiny.json").read_text())
+    assert set(res["default"]["phases"]) == set(PHASES["gae"]) and res["default"]["peak_gib"] > 0
+    assert res["rollout_stats"]["steps"] == res["workload"]["response"]
+    rows = {r["row"]: r for r in res["ablation"]}
+    assert list(rows) == [name for name, _, _ in rows_for("tiny")]
+    assert "bitsandbytes 4-bit decode" not in rows  # on a CPU the default already decodes through bitsandbytes
+    for name, row in rows.items():
+        assert "error" not in row and "oom" not in row and row["step_s"] > 0, (name, row.get("error"))
+    # a row whose rollout no earlier row built (another actor: the optimizer offloaded) rolls out once untimed
+    # first; a row on the default's actor does not
+    assert rows["optimizer offload on"]["rollout_warmup_s"] > 0
+    assert "rollout_warmup_s" not in rows["optimizer states on the host"]
+    assert "rollout warmed first" in (tmp_path / "memory-tiny.md").read_text()
