@@ -55,3 +55,19 @@ def test_the_fused_decode_step_compiles_to_one_graph(results):
 
 def test_a_model_without_4bit_layers_is_refused(results):
     assert "has no bitsandbytes Linear4bit layer" in results["plain_model"]
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, "actor"), ({"active_adapters": ["actor", "critic"]}, None), ({"active_adapters": []}, None),
+    ({"merged": True}, None), ({"disable_adapters": True}, None), ({"lora_variant": {"actor": "dora"}}, None),
+    ({"active_adapters": ["missing", "actor"]}, "actor")])
+def test_only_a_lone_plain_adapter_goes_into_the_kernel(change, expected):
+    """The kernel's LoRA epilogue computes base + (B(A(x))) * scaling: a peft wrapper whose forward does anything
+    else (several adapters active, merged or disabled adapters, DoRA or another variant) keeps its own forward,
+    around the fused base layer."""
+    from types import SimpleNamespace
+
+    from hybridcore.fused_decode import lora_adapter
+    wrapper = SimpleNamespace(**{"active_adapters": ["actor"], "lora_A": {"actor": None, "critic": None},
+                                 "merged": False, "disable_adapters": False, "lora_variant": {}, **change})
+    assert lora_adapter(wrapper) == expected
