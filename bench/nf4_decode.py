@@ -7,10 +7,13 @@ comparison (each kernel's start on the GPU stays in every figure). Every (method
 layer's 7 outputs, as the graph left them after the timed replays (a race in the split-K reduction would show), and
 as one eager call gave them, against x @ dequantised(W)^T in fp32 (max |error| relative to the max |reference|;
 bf16 dense multiplies the weights before quantisation, so its "error" is the quantisation's).
-CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
+LORA_ROWS: the same linears with a LoRA adapter each (rank --lora-rank, fp32 A and B as peft keeps them), the
+delta added as peft adds it (A and B products in fp32, the sum rounded, then added) after bitsandbytes or after
+`auto`, and in the kernel's epilogue (nf4.matmul's `lora`, what hybridcore/fused_decode.py does); their reference
+includes the delta. CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
 skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
 (carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
-    python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--budget-s 200] [--out DIR]
+    python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--lora-rank 16] [--budget-s 200] [--out DIR]
     python bench/nf4_decode.py --tiny   # CPU: Triton's interpreter, toy shapes, no graphs -- the script's own check
 """
 import argparse
@@ -89,7 +92,10 @@ CONFIGS = [
 ]
 
 
-def build(layers: int, shapes: dict, device: str):
+LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue")  # timed at 8 and 16 rows, right after bnb
+
+
+def build(layers: int, shapes: dict, device: str, rank: int = 16):
     import bitsandbytes.functional as bnbf
 
     weights = []
@@ -102,8 +108,11 @@ def build(layers: int, shapes: dict, device: str):
             class P:  # what NF4Weight.from_bnb reads of a Params4bit
                 data, quant_state = packed, state
             q = nf4.NF4Weight.from_bnb(P)
+            lora = {"lora_a": torch.randn(rank, k, device=device) / k ** 0.5, "lora_b": torch.randn(n, rank,
+                                                                                                    device=device) * 0.02,
+                    "scale": torch.tensor([2.0], device=device)}  # alpha / rank = 2: peft's scaling of the pipeline's
             weights.append({"name": name, "dense": w, "packed": packed, "state": state, "nf4": q,
-                            "exact": q.dequantize() if layer == 0 else None})  # fp32: the reference
+                            "exact": q.dequantize() if layer == 0 else None, **lora})  # exact: the fp32 reference
     return weights
 
 
@@ -113,25 +122,38 @@ def methods(configs) -> dict:
            "bf16": lambda x, w: x @ w["dense"].t()}
     for name, kwargs, _ in configs:
         out[name] = lambda x, w, kwargs=kwargs: nf4.matmul(x, w["nf4"], **kwargs)
+    out["bnb+lora_peft"] = lambda x, w: out["bnb"](x, w) + peft_delta(x, w)
+    out["auto+lora_peft"] = lambda x, w: nf4.matmul(x, w["nf4"]) + peft_delta(x, w)
+    out["auto+lora_epilogue"] = lambda x, w: nf4.matmul(
+        x, w["nf4"], lora=(torch.nn.functional.linear(x.float(), w["lora_a"]), w["lora_b"], w["scale"]))
     return out
 
 
-def errors(outs, xs, weights) -> float:
-    """Max over the first layer of max |out - x @ W^T| / max |x @ W^T|, W dequantised in fp32."""
+def peft_delta(x, w):
+    """A LoRA adapter's delta as peft adds it to a bf16 result: x cast to the adapter's fp32, two products, the
+    scaling, rounded back to x's dtype."""
+    f = torch.nn.functional.linear
+    return (f(f(x.float(), w["lora_a"]), w["lora_b"]) * w["scale"]).to(x.dtype)
+
+
+def errors(outs, xs, weights, lora: bool = False) -> float:
+    """Max over the first layer of max |out - ref| / max |ref|, ref = x @ W^T with W dequantised in fp32 (lora: plus
+    (x @ A^T @ B^T) * scale in fp32)."""
     worst = 0.0
     for out, w in zip(outs, weights):
-        ref = xs[w["nf4"].shape[1]].float() @ w["exact"].t()
+        x = xs[w["nf4"].shape[1]].float()
+        ref = x @ w["exact"].t() + ((x @ w["lora_a"].t() @ w["lora_b"].t()) * w["scale"] if lora else 0.0)
         worst = max(worst, float((out.float() - ref).abs().max() / ref.abs().max()))
     return worst
 
 
-def measure(fn, weights, batch: int, graph: bool, reps: int = 20) -> dict:
+def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = False) -> dict:
     """ms of one decode step (every linear once, each fed an input of its width) and the first layer's errors."""
     gen = torch.Generator(device=weights[0]["dense"].device).manual_seed(batch)
     widths = {w["nf4"].shape[1] for w in weights}
     xs = {k: torch.randn(batch, k, device=gen.device, dtype=torch.bfloat16, generator=gen) for k in sorted(widths)}
     eager = [fn(xs[w["nf4"].shape[1]], w) for w in weights]  # also the warm-up: Triton compiles, bnb allocates
-    res = {"err_eager": errors(eager[:7], xs, weights)}
+    res = {"err_eager": errors(eager[:7], xs, weights, lora)}
     if not graph:  # --tiny: wall clock of eager calls (the interpreter: a smoke figure, not a speed)
         start = time.perf_counter()
         [fn(xs[w["nf4"].shape[1]], w) for w in weights]
@@ -141,7 +163,7 @@ def measure(fn, weights, batch: int, graph: bool, reps: int = 20) -> dict:
     with torch.cuda.graph(g):
         outs = [fn(xs[w["nf4"].shape[1]], w) for w in weights]
     g.replay()  # warm
-    return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps), "err_graph": errors(outs[:7], xs, weights)}
+    return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps), "err_graph": errors(outs[:7], xs, weights, lora)}
 
 
 def run(a, weights, res: dict, graph: bool) -> None:
@@ -149,13 +171,14 @@ def run(a, weights, res: dict, graph: bool) -> None:
     rows before it). A config that fails to compile or run is a row with its error, not the end of the run."""
     t0, fns, path = time.time(), methods(CONFIGS), os.path.join(a.out, "nf4_decode.json")
     todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
+    todo += [(b, name) for b in a.batches if b in (8, 16) and a.lora_rank for name in LORA_ROWS]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
         if name not in ("bnb", "bf16") and time.time() - t0 > a.budget_s:
             res["skipped"].append(f"{name}@{b}")
             continue
         try:
-            row = measure(fns[name], weights, b, graph)
+            row = measure(fns[name], weights, b, graph, lora=name in LORA_ROWS)
             row["ok"] = name == "bf16" or max(row["err_eager"], row.get("err_graph", 0.0)) < 0.02
             row["gb_per_s"] = res["int4_bytes"] / row["ms"] / 1e6  # NF4 bytes (+ absmax) over the step's time
             print(f"batch {b:>3} {name:<14} {row['ms']:9.3f} ms  err {row['err_eager']:.4f}"
@@ -164,15 +187,21 @@ def run(a, weights, res: dict, graph: bool) -> None:
             row = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000]}
             print(f"batch {b:>3} {name:<14} FAILED {row['error'][:200]}", flush=True)
         res["steps"].setdefault(str(b), {})[name] = row
-        res["loop_s"] = time.time() - t0
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        save(res, path, t0)
+    save(res, path, t0)  # the skipped configs too
+
+
+def save(res: dict, path: str, t0: float) -> None:
+    res["loop_s"] = time.time() - t0
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the LORA_ROWS' adapters (0: no such rows)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="no config starts after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy shapes, one layer")
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir(),
@@ -183,20 +212,22 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (nf4 imports it on first use)
         a.layers = 1
     t0 = time.time()
-    weights = build(a.layers, TINY if a.tiny else SHAPES, "cpu" if a.tiny else "cuda")
+    weights = build(a.layers, TINY if a.tiny else SHAPES, "cpu" if a.tiny else "cuda", max(a.lora_rank, 1))
     import triton
     res = {"gpu": "cpu (interpreter)" if a.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "layers": a.layers, "tiny": a.tiny,
            "int4_bytes": sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in weights),
            "defaults": {"GEMV_MAX_M": nf4.GEMV_MAX_M, "DEFAULTS": nf4.DEFAULTS, "SPLIT_TARGET": nf4.SPLIT_TARGET},
            "configs": {name: {"kwargs": kwargs, "batches": list(batches)} for name, kwargs, batches in CONFIGS},
+           "lora_rows": list(LORA_ROWS) if a.lora_rank else [], "lora_rank": a.lora_rank,
            "steps": {}, "skipped": []}
     run(a, weights, res, graph=not a.tiny)
     for b, row in res["steps"].items():
-        right = sorted((v["ms"], k) for k, v in row.items() if k not in ("bnb", "bf16") and v["ok"])
+        right = sorted((v["ms"], k) for k, v in row.items() if k not in ("bnb", "bf16", *LORA_ROWS) and v["ok"])
         best = f"best fused {right[0][1]} {right[0][0]:.3f} ms" if right else "no fused config right"
         base = ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in ("bnb", "bf16") if "ms" in row.get(k, {}))
-        print(f"batch {b}: {base}, {best}")
+        lora = ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in LORA_ROWS if "ms" in row.get(k, {}))
+        print(f"batch {b}: {base}, {best}" + (f"; with LoRA: {lora}" if lora else ""))
     print("skipped (budget):", res["skipped"] or "none", f"; wall {time.time() - t0:.0f} s;",
           os.path.join(a.out, "nf4_decode.json"))
 
