@@ -414,17 +414,27 @@ def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
     return [r for r in rows if shape != "tiny" or "fused" not in r[1]]
 
 
+def rollout_key(b: Bench, sw: dict) -> tuple[bool, bool, str]:
+    """The actor a row's switches roll out with (Bench.actors' key): offload, fused, backend."""
+    backend = sw.get("backend", "native")
+    return sw.get("offload", False), sw.get("fused", b.fused_default and backend == "native"), backend
+
+
+def new_rollout(b: Bench, sw: dict) -> bool:
+    """Whether the row rolls out natively with an actor no earlier row built (its compile and capture still ahead)."""
+    key = rollout_key(b, sw)
+    return sw.get("rollout", True) and key[2] == "native" and key not in b.actors
+
+
 def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False) -> dict:
     """One step with the row's switches. warm_rollout: a native rollout whose actor no earlier row built (another
     decode path, the optimizer offloaded) first rolls out once untimed (compile and graph capture, as the warm-up
     row did for the default's), so that its step is timed as the default's is; that warm-up's seconds are kept."""
     row = {"row": name, "switches": {k: v for k, v in sw.items()}}
     t0 = time.perf_counter()
-    backend = sw.get("backend", "native")
-    fused = sw.get("fused", b.fused_default and backend == "native")  # the fused decode is the native backend's
-    key = sw.get("offload", False), fused, backend
+    _, fused, backend = key = rollout_key(b, sw)  # the fused decode is the native backend's
     try:
-        if warm_rollout and sw.get("rollout", True) and key[2] == "native" and key not in b.actors:
+        if warm_rollout and new_rollout(b, sw):
             b.rollout(*key)
             b.ledger.metrics()  # its phase record is not the row's
             row["rollout_warmup_s"] = time.perf_counter() - t0
@@ -633,8 +643,7 @@ def main() -> int:
     for name, sw, what in [r for r in rows_for(a.shape, a.estimator) if not a.rows or r[0] in a.rows]:
         left = a.budget_s - (time.perf_counter() - t_start)
         est = default.get("wall_s", 60) * (1.0 if sw.get("rollout", True) else 0.6)
-        if sw.get("rollout", True) and sw.get("backend", "native") == "native" and (
-                sw.get("offload", False), sw.get("fused", b.fused_default), "native") not in b.actors:
+        if new_rollout(b, sw):
             est += max(0.0, warm.get("wall_s", 0) - default.get("wall_s", 0))  # its rollout's compile + capture
         if left < est * 1.3:
             res["ablation"].append({"row": name, "what": what, "skipped": f"budget ({left:.0f} s left)"})

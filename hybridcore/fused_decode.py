@@ -57,19 +57,28 @@ def _(x, packed, absmax, code, absmax2, code2, offset, n, k, blocksize, blocksiz
     return x.new_empty(*x.shape[:-1], n)
 
 
+def op_arguments(weight: nf4.NF4Weight) -> tuple:
+    """nf4_matmul's arguments after x for `weight`, fixed for the rollout."""
+    return (weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, *weight.shape,
+            weight.blocksize, weight.blocksize2)
+
+
+def base_product(layer, args: tuple, x: torch.Tensor, *lora: torch.Tensor) -> torch.Tensor:
+    """A Linear4bit's forward through the op, in its compute dtype, plus its bias; lora: u, lora_b, scale."""
+    dtype = getattr(layer, "compute_dtype", None) or x.dtype
+    y = nf4_matmul(x.to(dtype), *args, *lora)
+    if layer.bias is not None:
+        y = y + layer.bias.to(dtype)
+    return y.to(x.dtype)
+
+
 def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
-    own = type(layer).forward
-    args = (weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, *weight.shape,
-            weight.blocksize, weight.blocksize2)  # the op's arguments, fixed for the rollout
+    own, args = type(layer).forward, op_arguments(weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not min_rows <= x.numel() // x.shape[-1] <= max_rows:
             return own(layer, x)
-        dtype = getattr(layer, "compute_dtype", None) or x.dtype
-        y = nf4_matmul(x.to(dtype), *args)
-        if layer.bias is not None:
-            y = y + layer.bias.to(dtype)
-        return y.to(x.dtype)
+        return base_product(layer, args, x)
     return forward
 
 
@@ -90,21 +99,16 @@ def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: i
     own, base = type(wrapper).forward, wrapper.get_base_layer()
     lora_a, lora_b, dropout = wrapper.lora_A[adapter], wrapper.lora_B[adapter], wrapper.lora_dropout[adapter]
     scale = torch.tensor([float(wrapper.scaling[adapter])], dtype=torch.float32, device=weight.packed.device)
-    args = (weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, *weight.shape,
-            weight.blocksize, weight.blocksize2)
+    args = op_arguments(weight)
 
     def forward(x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
         idle_dropout = isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0
         if (rest or kwargs or not idle_dropout or torch.is_autocast_enabled()
                 or not min_rows <= x.numel() // x.shape[-1] <= max_rows):
             return own(wrapper, x, *rest, **kwargs)
-        dtype = getattr(base, "compute_dtype", None) or x.dtype
         a = lora_a.weight
         u = torch.nn.functional.linear(x.to(a.dtype), a)
-        y = nf4_matmul(x.to(dtype), *args, u, lora_b.weight.to(a.dtype), scale)
-        if base.bias is not None:
-            y = y + base.bias.to(dtype)
-        return y.to(x.dtype)
+        return base_product(base, args, x, u, lora_b.weight.to(a.dtype), scale)
     return forward
 
 
