@@ -476,6 +476,16 @@ def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False
     return row
 
 
+def profile_decode(b: Bench, steps: int) -> dict:
+    """The default row's decode step (its actor, inside its rollout transition): kernel time by kind over `steps`
+    eager steps and the time of a graph replay (bench/decode_profile.py)."""
+    from bench.decode_profile import profile_decoder
+    actor = b.actor(False, b.fused_default)
+    ids = torch.tensor(b.prompts, device=b.device)
+    with b.m.use("actor"), actor.rollout():
+        return profile_decoder(actor.backend, ids, torch.ones_like(ids), PAD, b.new, steps)
+
+
 @contextmanager
 def _null():
     yield
@@ -572,6 +582,8 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", metavar="ROW",
                     help="run only these rows after the default (names as in the table, e.g. 'bitsandbytes 4-bit "
                          "decode')")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the default row: its decode step's kernels by kind and a graph replay (decode_profile.py)")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
@@ -637,6 +649,9 @@ def main() -> int:
         default["target_met"] = default["peak_gib"] <= TARGET_GIB.get(a.shape, CAP_GIB)
     res["default"] = default
     res["rollout_stats"] = {k: v for k, v in b.actor(False, b.fused_default).last_stats.items()}
+    if a.profile:
+        res["decode_profile"] = profile_decode(b, steps=8 if cuda else 2)
+        print(json.dumps(res["decode_profile"], indent=1), flush=True)
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []

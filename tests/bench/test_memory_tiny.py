@@ -14,11 +14,13 @@ def test_tiny_run_times_every_row(tmp_path):
     from bench.memory import PHASES, rows_for
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--shape", "tiny", "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path), "--profile"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "memory-tiny.json").read_text())
     assert set(res["default"]["phases"]) == set(PHASES["gae"]) and res["default"]["peak_gib"] > 0
     assert res["rollout_stats"]["steps"] == res["workload"]["response"]
+    prof = res["decode_profile"]  # --profile: the default actor's decode step, kernels by kind
+    assert prof["kernels"]["kernels_per_unit"] > 0 and prof["eager_step_ms"] > 0 and prof["capacity"] >= 32
     rows = {r["row"]: r for r in res["ablation"]}
     assert list(rows) == [name for name, _, _ in rows_for("tiny")]
     assert "bitsandbytes 4-bit decode" not in rows  # on a CPU the default already decodes through bitsandbytes
