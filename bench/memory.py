@@ -477,13 +477,15 @@ def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False
 
 
 def profile_decode(b: Bench, steps: int) -> dict:
-    """The default row's decode step (its actor, inside its rollout transition): kernel time by kind over `steps`
-    eager steps and the time of a graph replay (bench/decode_profile.py)."""
-    from bench.decode_profile import profile_decoder
+    """The default row's rollout (its actor, inside its rollout transition): the decode step's kernel time by kind
+    over `steps` eager steps and the time of a graph replay, and the prefill's kernels (bench/decode_profile.py)."""
+    from bench.decode_profile import profile_decoder, profile_prefill
     actor = b.actor(False, b.fused_default)
     ids = torch.tensor(b.prompts, device=b.device)
     with b.m.use("actor"), actor.rollout():
-        return profile_decoder(actor.backend, ids, torch.ones_like(ids), PAD, b.new, steps)
+        report = profile_decoder(actor.backend, ids, torch.ones_like(ids), PAD, b.new, steps)
+        report["prefill"] = profile_prefill(actor.backend, ids, torch.ones_like(ids), PAD)
+    return report
 
 
 @contextmanager
