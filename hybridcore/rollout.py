@@ -27,6 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from hybridcore import decode_attention
 from hybridcore.adapters import mixed_precision
 from hybridcore.batch import position_ids
+from hybridcore.sampling import draw
 from hybridcore.tensor_parallel import head_shape, local_kv_heads, tp_state
 
 ATTENTION = "hybrid_rollout"
@@ -136,38 +137,6 @@ def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(P, P, dtype=torch.bool, device=mask.device).tril()
     allowed = causal[None] & mask.bool()[:, None, :]
     return (allowed | torch.eye(P, dtype=torch.bool, device=mask.device))[:, None]
-
-
-def truncate(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """The candidates a sampler draws from, in transformers' order: temperature, top-k, top-p.
-
-    Returns (logits, idx): the scaled logits of the candidates, -inf where top-p dropped one, and their
-    vocabulary ids (None when the candidates are the whole vocabulary in order). top_k=0 and top_p=1 are
-    off. With top-k on, top-p works on the k candidates only, so a full-vocabulary sort happens only for
-    top-p alone.
-    """
-    if temperature != 1.0:
-        logits = logits / temperature
-    idx = None
-    if 0 < top_k < logits.shape[-1]:
-        logits, idx = logits.topk(top_k, dim=-1)  # sorted, largest first
-    elif top_p < 1.0:
-        logits, idx = logits.sort(dim=-1, descending=True)
-    if top_p < 1.0:
-        probs = logits.softmax(-1)
-        above = probs.cumsum(-1) - probs  # mass of the more probable candidates
-        logits = logits.masked_fill(above >= top_p, float("-inf"))  # the top candidate always stays
-    return logits, idx
-
-
-def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> torch.Tensor:
-    """One token per row of logits [B, V] (drawn in float32); temperature 0 or greedy is argmax."""
-    if greedy or temperature == 0:
-        return logits.argmax(-1)
-    logits, idx = truncate(logits.float(), temperature, top_k, top_p)
-    choice = torch.multinomial(logits.softmax(-1), 1)
-    return (choice if idx is None else idx.gather(1, choice)).squeeze(1)
 
 
 # prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
@@ -398,12 +367,11 @@ class NativeRollout:
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
         n = last = min(max_new_tokens, steps or max_new_tokens)
         for t in range(last):
-            nxt = sample(logits, greedy, temperature, top_k, top_p)
+            nxt, logps[:, t] = draw(logits, greedy, temperature, top_k, top_p)  # one pass on CUDA (sampling.py)
             if stops is not None:
                 nxt = nxt.masked_fill(finished, pad_id)
                 finished |= torch.isin(nxt, stops)
             out[:, t] = nxt
-            logps[:, t] = torch.log_softmax(logits.float(), -1).gather(1, nxt[:, None]).squeeze(1)
             if t + 1 == last:
                 break
             if stops is not None and (t + 1) % every == 0 and bool(finished.all()):

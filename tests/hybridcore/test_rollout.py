@@ -15,7 +15,8 @@ from hybridcore.batch import pack
 from hybridcore.forward import response_logits
 from hybridcore.models import build_preset, train_tokenizer
 from hybridcore import rollout
-from hybridcore.rollout import HFGenerate, NativeRollout, sample, truncate
+from hybridcore.rollout import HFGenerate, NativeRollout
+from hybridcore.sampling import sample, truncate
 from tests.hybridcore.test_actor import MAX_NEW, make_texts, with_likely_eos
 
 LENGTHS = [5, 12, 1, 20, 8, 30, 3, 16, 7, 24]
