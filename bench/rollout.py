@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,7 @@ import transformers  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from bench.decode_profile import profile_decoder, profile_prefill  # noqa: E402
+from hybridcore import sampling  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.rollout import HFGenerate, NativeRollout  # noqa: E402
 
@@ -150,12 +152,34 @@ def native_run(model, a, device, tok, rows, outputs, name, graph, compiled, batc
         if name == "native":
             outputs[batch] = out.cpu()
         if batch == max(a.batches) and name == "native":
+            # the one-pass sampler (hybridcore/sampling.py) is the default where it applies; "-torch-sampler": the
+            # same call through torch's sampler and log-softmax, the baseline of the same run
             for label, kw in (("native-sample-T1", dict(temperature=1.0)),
+                              ("native-sample-T1-torch-sampler", dict(temperature=1.0)),
+                              ("native-greedy-torch-sampler", dict(greedy=True)),
                               ("native-sample-top_p0.9", dict(temperature=1.0, top_p=0.9)),
                               ("native-sample-top_k50", dict(temperature=1.0, top_k=50))):
                 torch.manual_seed(0)
-                out, times = timed(lambda: gen(**kw), device, 2)
-                rows.append(row(label, batch, a.new, None, times, out))
+                with torch_sampler(label.endswith("-torch-sampler")):
+                    out, times = timed(lambda: gen(**kw), device, 2)
+                st = actor.backend.last_stats
+                rows.append(row(label, batch, a.new, None, times, out,
+                                {"step_ms": 1e3 * st["decode_s"] / max(st["steps"] - 1, 1),
+                                 "sampler_prefill_s": st["prefill_s"]}))
+
+
+@contextmanager
+def torch_sampler(on: bool):
+    """Inside: the rollout samples through torch (sampling.fused_applies answers False), as before the kernel."""
+    if not on:
+        yield
+        return
+    saved = sampling.fused_applies
+    sampling.fused_applies = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        sampling.fused_applies = saved
 
 
 def profile_section(model, a, res, device):
@@ -325,6 +349,8 @@ def table(res) -> str:
                          f"~{r['decode_GBps_weights_plus_kv']:.0f} GB/s (weights+KV)")
             if r.get("compile_error"):
                 notes.append(f"compile FAILED, fell back: {r['compile_error']}")
+        elif "step_ms" in r:  # the sampler rows: decode time a step, sampling included
+            notes.append(f"step {r['step_ms']:.2f}ms (sampling included)")
         for key in ("rows_equal_to_native", "rows_equal_to_hf_dynamic"):
             if key in r:
                 notes.append(f"greedy vs {key[len('rows_equal_to_'):]}: {r[key]}")
