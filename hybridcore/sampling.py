@@ -2,10 +2,11 @@
 
 The plain torch sampler reads a step's logits [B, V] many times: a cast to fp32, the temperature, a softmax,
 torch.multinomial, then a log-softmax of the fp32 copy for the sampled token's log-probability (what PPO compares
-with training's). At the Qwen2.5-1.5B shape, batch 256 x 151,936 logits (78 MB in bf16), that was ~0.7 ms of a
-4.5 ms decode step outside the captured graph (bench/RESULTS.md 2026-12-07). `draw` does it in one Triton program
-per row that reads each logit once and keeps, per lane, a running max and sum (the log-sum-exp of the raw logits)
-and the best score so far:
+with training's). At the Qwen2.5-1.5B shape, batch 256 x 151,936 logits (78 MB in bf16), a decode step took 4.5 ms in
+the rollout against 3.85 ms of graph replay (bench/RESULTS.md 2026-12-07), most of the gap this work. `draw` does it
+in two Triton kernels: programs over (row, split of the vocabulary) read each logit once and keep, per lane, a
+running max and sum (the log-sum-exp of the raw logits) and the best score so far; one program a row meets its
+splits:
 
 - sampling is the exponential race (equivalently Gumbel-max): token = argmax(logit / T - log E), E ~ Exp(1) drawn
   per logit from Philox (tl.rand), an exact draw from softmax(logit / T), which is what torch.multinomial samples;
@@ -28,7 +29,8 @@ import warnings
 
 import torch
 
-DEFAULTS = dict(block=1024, num_warps=4)  # not yet timed on a GPU: bench/rollout.py's sampler row
+# 1,024 logits a step of a program, 4 programs an SM at least: not yet timed on a GPU (bench/rollout.py's rows)
+DEFAULTS = dict(block=1024, num_warps=4, programs_per_sm=4)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _BROKEN: str | None = None  # why the kernel failed in this process, once it has (then every call takes torch's path)
 
@@ -103,16 +105,33 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
     return (choice if idx is None else idx.gather(1, choice)).squeeze(1)
 
 
+def splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Programs a row's vocabulary is split among: enough for PROGRAMS_PER_SM programs on every SM (a decode batch
+    of 8 rows would otherwise keep 8 SMs busy), at least a block of columns each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    blocks = -(-vocab // DEFAULTS["block"])
+    return max(1, min(blocks, -(-DEFAULTS["programs_per_sm"] * sms // max(rows, 1))))
+
+
 def _fused(logits: torch.Tensor, greedy: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from hybridcore.sampling_kernel import sample_kernel
+    from hybridcore.sampling_kernel import sample_combine, sample_partials
 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return tokens, logp
     seed = 0 if greedy else int(torch.randint(0, 2**31 - 1 - rows, (1,)).item())
-    if rows:
-        sample_kernel[(rows,)](logits, logits.stride(0), vocab, seed, 1.0 / (temperature or 1.0), tokens, logp,
-                               GREEDY=greedy, BLOCK=DEFAULTS["block"], num_warps=DEFAULTS["num_warps"])
+    block, n = DEFAULTS["block"], splits(rows, vocab, logits.device)
+    per = -(-vocab // (n * block)) * block  # columns a split: whole blocks
+    n = -(-vocab // per)  # every split holds at least one column
+    parts = torch.empty(3, rows, n, dtype=torch.float32, device=logits.device)
+    cols = torch.empty(rows, n, dtype=torch.int32, device=logits.device)
+    sample_partials[(rows, n)](logits, logits.stride(0), vocab, per, seed, 1.0 / (temperature or 1.0), parts[0],
+                               parts[1], parts[2], cols, n, GREEDY=greedy, BLOCK=block,
+                               num_warps=DEFAULTS["num_warps"])
+    sample_combine[(rows,)](logits, logits.stride(0), vocab, parts[0], parts[1], parts[2], cols, n, tokens, logp,
+                            SPLITS_PAD=max(16, 1 << (n - 1).bit_length()), num_warps=1)
     return tokens, logp

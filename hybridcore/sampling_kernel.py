@@ -1,5 +1,7 @@
-"""The one-pass sampler's Triton kernel (hybridcore/sampling.py; imported on first use, so that importing the
-sampler imports no triton)."""
+"""The one-pass sampler's Triton kernels (hybridcore/sampling.py; imported on first use, so that importing the
+sampler imports no triton). `sample_partials` covers a (row, split of the vocabulary) and `sample_combine` meets a
+row's splits: few rows (a decode batch of 8) would leave all but a few SMs idle, each program walking the whole
+vocabulary one dependent load after another."""
 import triton
 import triton.language as tl
 
@@ -14,21 +16,23 @@ def _exponential(seed, idx):
 
 
 @triton.jit(do_not_specialize=["seed"])
-def sample_kernel(logits_ptr, stride, V, seed, inv_t, tokens_ptr, logp_ptr, GREEDY: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """One program a row: lane-wise running max m and sum s of exp(logit - m) (the raw logits' log-sum-exp), and
-    the best score with its first column; score = logit (GREEDY) or logit * inv_t - log(E). Lanes meet at the end:
-    the token is the lowest column holding the best score, its log-prob logit - m - log(s)."""
-    row = tl.program_id(0)
+def sample_partials(logits_ptr, stride, V, PER, seed, inv_t, m_ptr, s_ptr, best_ptr, col_ptr, SPLITS,
+                    GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split) walks columns [split * PER, (split + 1) * PER) of the row keeping, lane by lane, a
+    running max m and sum s of exp(logit - m) (the raw logits' log-sum-exp) and the best score with its first
+    column, score = logit (GREEDY) or logit * inv_t - log(E); the lanes meet at the end and the split stores its
+    (m, s, best, column) at [row, split]. The draws depend on (seed + row, column) only, not on the splits."""
+    row, split = tl.program_id(0), tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
     cols = tl.arange(0, BLOCK)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_col = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, V, BLOCK):
+    best_col = tl.zeros((BLOCK,), tl.int32) + V
+    end = tl.minimum(V, split * PER + PER)
+    for start in range(split * PER, end, BLOCK):
         idx = start + cols
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, x)
         shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # a lane that has seen only -inf keeps s = 0
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
@@ -36,17 +40,38 @@ def sample_kernel(logits_ptr, stride, V, seed, inv_t, tokens_ptr, logp_ptr, GREE
         if GREEDY:
             score = x
         else:
-            score = x * inv_t - tl.log(_exponential(seed + row, idx))
-            score = tl.where(idx < V, score, float("-inf"))
-        better = score > best  # strict: a lane keeps its first column among equal scores
+            score = tl.where(idx < end, x * inv_t - tl.log(_exponential(seed + row, idx)), float("-inf"))
+        better = (score > best) | ((best_col == V) & (idx < end))  # a lane's first column, even at -inf
         best = tl.where(better, score, best)
         best_col = tl.where(better, idx, best_col)
     top = tl.max(m, 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(s * tl.exp(m - shift), 0)
     winner = tl.max(best, 0)
-    token = tl.min(tl.where(best == winner, best_col, V), 0)
-    token = tl.where(token >= V, 0, token)  # every score -inf (no lane better than its start): column 0, as argmax
-    x_tok = tl.load(base + token).to(tl.float32)
+    out = row * SPLITS + split
+    tl.store(m_ptr + out, top)
+    tl.store(s_ptr + out, tl.sum(s * tl.exp(m - shift), 0))
+    tl.store(best_ptr + out, winner)
+    tl.store(col_ptr + out, tl.min(tl.where(best == winner, best_col, V), 0))
+
+
+@triton.jit
+def sample_combine(logits_ptr, stride, V, m_ptr, s_ptr, best_ptr, col_ptr, SPLITS, tokens_ptr, logp_ptr,
+                   SPLITS_PAD: tl.constexpr):
+    """One program a row: the token is the lowest column holding the best score over the splits, its log-prob
+    logit - log-sum-exp (the splits' sums rescaled to their common max), in fp32."""
+    row = tl.program_id(0)
+    k = tl.arange(0, SPLITS_PAD)
+    ok = k < SPLITS
+    at = row * SPLITS + k
+    m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + at, mask=ok, other=0.0)
+    best = tl.load(best_ptr + at, mask=ok, other=float("-inf"))
+    col = tl.load(col_ptr + at, mask=ok, other=V)
+    top = tl.max(m, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.where(ok, s * tl.exp(m - shift), 0.0), 0)
+    winner = tl.max(best, 0)
+    token = tl.min(tl.where(ok & (best == winner), col, V), 0)
+    x_tok = tl.load(logits_ptr + row.to(tl.int64) * stride + token).to(tl.float32)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(logp_ptr + row, x_tok - shift - tl.log(total))

@@ -32,7 +32,7 @@ def greedy_cases(torch):
 
 
 def kernel_results(torch, sampling) -> dict:
-    res = {"greedy": {}, "logp_err": {}}
+    res = {"greedy": {}, "logp_err": {}, "splits": {v: sampling.splits(5, v, torch.device("cpu")) for v in VOCABS}}
     for name, x in greedy_cases(torch).items():
         tok, lp = sampling.draw(x, greedy=True, fused=True)
         ref_tok, ref_lp = sampling.draw(x, greedy=True, fused=False)

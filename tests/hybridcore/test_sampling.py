@@ -22,9 +22,11 @@ def results() -> dict:
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_is_torch_argmax_and_logp_its_log_softmax(results, vocab, dtype):
-    """Vocabularies under one block of lanes, exactly one and three and a bit; a tie across blocks (the first
-    column wins, as torch.argmax), a row -inf but one column, a row all -inf (column 0, as argmax)."""
+    """Vocabularies under one block of lanes, exactly one and three and a bit (split among 4 programs a row); a
+    tie across blocks (the first column wins, as torch.argmax), a row -inf but one column, a row all -inf (column 0,
+    as argmax)."""
     k = results["kernel"]
+    assert k["splits"][str(VOCABS[-1])] == 4 and k["splits"][str(VOCABS[0])] == 1
     assert k["greedy"][f"{vocab}-{dtype}"]
     assert k["logp_err"][f"{vocab}-{dtype}"] <= 1e-6  # fp32 sums in another order
     assert all(tok == 0 and not_finite for tok, not_finite in k["all_inf_row"])
