@@ -54,7 +54,7 @@ from hybridcore.ledger import MemoryLedger, quant_state_tensors, storage_bytes  
 from hybridcore.quant import keep_one_4bit_layout  # noqa: E402
 from hybridcore.shared_base import SharedBase, value_head  # noqa: E402
 from hybridcore.engine import make_engine  # noqa: E402
-from hybridcore.models import HostWeights, set_activation_checkpointing  # noqa: E402
+from hybridcore.models import park, set_activation_checkpointing  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20
 CAP_GIB = 22.0
@@ -215,7 +215,7 @@ class Bench:
         a, device = self.a, self.device
         rm = build_4bit(a.shape, True, device, seed=2, park=torch.device("cpu") if a.rm == "cpu" else None)
         if a.rm == "cpu":
-            HostWeights.of(rm)  # pinned at build, as stages/ppo.py's load_models does
+            park(rm, torch.device("cpu"))  # pinned at build, as stages/ppo.py's load_models does
         head = value_head(base.config.hidden_size, torch.bfloat16, rm.score, 0.02, 0).to(device)
         sb = SharedBase(base, LORA, LORA, head)
         m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
@@ -640,8 +640,7 @@ def main() -> int:
     out_of_memory = "oom" in default or "out of memory" in default.get("error", "")
     if out_of_memory and a.rm == "gpu" and cuda and b.rm is not None:
         res["default_rm_resident"] = default  # the pipeline's layout does not fit: RM on the CPU between scorings
-        b.rm.to("cpu")
-        HostWeights.of(b.rm)  # pinned here, as stages/ppo.py's load_models does, not inside the row's scoring
+        park(b.rm, torch.device("cpu"))  # pinned here, as stages/ppo.py's load_models does, not in the row's scoring
         b.rm_home = torch.device("cpu")
         b.m.homes["reward"] = b.rm_home  # what engine.roles.reward.offload sets
         free(device)

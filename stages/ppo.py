@@ -29,7 +29,7 @@ from hybridcore.forward import batched, response_logprobs, response_logprobs_ent
 from hybridcore.errors import say
 from hybridcore.freezing import TrainableState, assert_frozen
 from hybridcore.ledger import MemoryLedger
-from hybridcore.models import DTYPES, HostWeights, load_tokenizer, resident, set_activation_checkpointing
+from hybridcore.models import DTYPES, load_tokenizer, park, resident, set_activation_checkpointing
 from hybridcore.oom import OomBackoff
 from hybridcore.parallel import current as layout_now, dp_mean, dp_share, dp_sum
 from hybridcore.shared_base import SharedBase, value_head
@@ -129,8 +129,7 @@ def load_models(p, inputs: dict[str, Path], tok) -> Models:
         rm = frozen(load_scorer(p, inputs["reward"] / "model", "reward", tok.pad_token_id))
     homes = offload_homes(p)
     if rm is not None and "reward" in homes:  # quantised on the device as it loaded, then parked until each scoring
-        rm.to(homes["reward"])
-        HostWeights.of(rm)  # pinned now (seconds at 14B), not inside the first step's scoring
+        park(rm, homes["reward"])
     if p.engine.share_base:
         return shared_models(p, inputs, rm, homes, critic)
     return separate_models(p, inputs, tok, rm, homes, critic)

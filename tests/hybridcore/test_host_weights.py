@@ -62,3 +62,16 @@ def test_a_4bit_model_keeps_its_quantisation_state_through_the_move():
         assert torch.equal(model(ids).logits, want)
         host.back()
         assert torch.equal(model(ids).logits, want)
+
+
+def test_park_on_the_host_keeps_its_host_weights_ready():
+    """park: moved to its home and, in host memory, its HostWeights made there and then (the pinning, on a CUDA
+    machine), so the first lend copies at once; a model that trains keeps none (it moves with .to())."""
+    tok = train_tokenizer(TEXTS, 384)
+    model = frozen(build_preset("micro", tok, seed=0).float())
+    from hybridcore.models import park
+    assert park(model, torch.device("cpu")) is model
+    assert model._host_weights is HostWeights.of(model) and model._host_weights is not None
+    trained = build_preset("micro", tok, seed=0).float()
+    park(trained, torch.device("cpu"))
+    assert getattr(trained, "_host_weights", None) is None
