@@ -7,43 +7,62 @@ import triton.language as tl
 
 
 @triton.jit
-def _exponential(seed, idx):
-    """Exp(1) draws for the columns idx of one row: -log(1 - u), u ~ U[0, 1) from Philox; below u = 1e-4 the series
-    u + u^2 / 2 (1 - u would round away u's low bits), and u = 0 clamped to 2^-33."""
-    u = tl.rand(seed, idx)
+def _exponential(u):
+    """Exp(1) from u ~ U[0, 1): -log(1 - u); below u = 1e-4 the series u + u^2 / 2 (1 - u would round away u's low
+    bits), and u = 0 clamped to 2^-33."""
     e = tl.where(u < 1e-4, u + 0.5 * u * u, -tl.log(1.0 - u))
     return tl.maximum(e, 1.1641532182693481e-10)
+
+
+@triton.jit
+def _visit(x, idx, ok, u, inv_t, m, s, best, best_col, V, GREEDY: tl.constexpr):
+    """One quarter block of a row into the lanes' state: the running max m and sum s of exp(logit - m), the best
+    score and its first column (score = logit, or logit * inv_t - log(E))."""
+    new_m = tl.maximum(m, x)
+    shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # a lane that has seen only -inf keeps s = 0
+    s = s * tl.exp(m - shift) + tl.exp(x - shift)
+    if GREEDY:
+        score = x
+    else:
+        score = tl.where(ok, x * inv_t - tl.log(_exponential(u)), float("-inf"))
+    better = (score > best) | ((best_col == V) & ok)  # strict: a lane's first column among equals, even at -inf
+    return new_m, s, tl.where(better, score, best), tl.where(better, idx, best_col)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def sample_partials(logits_ptr, stride, V, PER, seed, inv_t, m_ptr, s_ptr, best_ptr, col_ptr, SPLITS,
                     GREEDY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split) walks columns [split * PER, (split + 1) * PER) of the row keeping, lane by lane, a
-    running max m and sum s of exp(logit - m) (the raw logits' log-sum-exp) and the best score with its first
-    column, score = logit (GREEDY) or logit * inv_t - log(E); the lanes meet at the end and the split stores its
-    (m, s, best, column) at [row, split]. The draws depend on (seed + row, column) only, not on the splits."""
+    """Program (row, split) walks columns [split * PER, (split + 1) * PER) of the row in blocks of four quarters,
+    keeping per lane a running max m and sum s of exp(logit - m) (the raw logits' log-sum-exp) and the best score
+    with its first column; the lanes meet at the end and the split stores its (m, s, best, column) at [row, split].
+    One Philox call (tl.rand4x) draws the four quarters' uniforms: the generator's rounds cost more than the rest of
+    the work on an element. The draws depend on (seed + row, column) only, not on the splits."""
+    Q: tl.constexpr = BLOCK // 4
     row, split = tl.program_id(0), tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
-    cols = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_col = tl.zeros((BLOCK,), tl.int32) + V
+    lanes = tl.arange(0, Q)
+    m = tl.full((Q,), float("-inf"), tl.float32)
+    s = tl.zeros((Q,), tl.float32)
+    best = tl.full((Q,), float("-inf"), tl.float32)
+    best_col = tl.zeros((Q,), tl.int32) + V
     end = tl.minimum(V, split * PER + PER)
     for start in range(split * PER, end, BLOCK):
-        idx = start + cols
-        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, x)
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # a lane that has seen only -inf keeps s = 0
-        s = s * tl.exp(m - shift) + tl.exp(x - shift)
-        m = new_m
-        if GREEDY:
-            score = x
+        if GREEDY:  # no draws: the scores are the logits
+            u0, u1, u2, u3 = lanes * 0.0, lanes * 0.0, lanes * 0.0, lanes * 0.0
         else:
-            score = tl.where(idx < end, x * inv_t - tl.log(_exponential(seed + row, idx)), float("-inf"))
-        better = (score > best) | ((best_col == V) & (idx < end))  # a lane's first column, even at -inf
-        best = tl.where(better, score, best)
-        best_col = tl.where(better, idx, best_col)
+            u0, u1, u2, u3 = tl.rand4x(seed + row, start // 4 + lanes)
+        idx = start + lanes
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        m, s, best, best_col = _visit(x, idx, idx < end, u0, inv_t, m, s, best, best_col, V, GREEDY)
+        idx = start + Q + lanes
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        m, s, best, best_col = _visit(x, idx, idx < end, u1, inv_t, m, s, best, best_col, V, GREEDY)
+        idx = start + 2 * Q + lanes
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        m, s, best, best_col = _visit(x, idx, idx < end, u2, inv_t, m, s, best, best_col, V, GREEDY)
+        idx = start + 3 * Q + lanes
+        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        m, s, best, best_col = _visit(x, idx, idx < end, u3, inv_t, m, s, best, best_col, V, GREEDY)
     top = tl.max(m, 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
     winner = tl.max(best, 0)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 BLOCK = 64  # lanes a program: vocabularies of several blocks, the last one partial, at the interpreter's pace
 VOCABS = (5, 64, 200)  # under one block, exactly one, three and a bit
-DRAWS, TEMPERATURE = 800, 0.7  # ~12 ms of interpreter a row
+DRAWS, TEMPERATURE = 500, 0.7  # ~20 ms of interpreter a row
 LEVELS = [0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -2.0, 1.5]  # the logits the frequencies are drawn from
 
 
