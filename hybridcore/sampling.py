@@ -9,9 +9,9 @@ running max and sum (the log-sum-exp of the raw logits) and the best score so fa
 splits:
 
 - sampling is the exponential race (equivalently Gumbel-max): token = argmax(logit / T - log E), E ~ Exp(1) drawn
-  per logit from Philox (tl.rand4x: four a call), an exact draw from softmax(logit / T), which is what torch.multinomial samples;
-  E = -log(1 - u) is formed so that small u keeps its precision (u < 1e-4: u + u^2 / 2), so only u = 0 (odds 2^-31
-  a logit) is clamped, to E = 2^-33;
+  per logit from Philox (tl.rand4x: four a call), an exact draw from softmax(logit / T), which is what
+  torch.multinomial samples; E = -log(1 - u) is formed so that small u keeps its precision (u < 1e-4: u + u^2 / 2),
+  so only u = 0 (odds 2^-31 a logit) is clamped, to E = 2^-33;
 - greedy (or temperature 0) is the first index of the largest logit, as torch.argmax;
 - the log-probability is the token's raw logit minus the log-sum-exp, in fp32: the model's own softmax, before
   temperature, as training computes it.
