@@ -585,7 +585,8 @@ def main() -> int:
                     help="run only these rows after the default (names as in the table, e.g. 'bitsandbytes 4-bit "
                          "decode')")
     ap.add_argument("--profile", action="store_true",
-                    help="after the default row: its decode step's kernels by kind and a graph replay (decode_profile.py)")
+                    help="after the default row: its decode step's and prefill's kernels by kind, a graph replay "
+                         "(decode_profile.py)")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
