@@ -142,8 +142,11 @@ def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
 # prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
 # activations sit on top of it: at the Llama-3-8B shape, 4,096 tokens held 868 MiB there with float32 LoRA
 # inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB
-# (with the fused decode, the GRPO step's rollout peak: 0.35 GiB above weights + cache, 2026-12-06); 512 ~half.
-PREFILL_TOKENS = 512
+# (with the fused decode, the GRPO step's rollout peak: 0.35 GiB above weights + cache, 2026-12-06). Fewer tokens
+# a chunk cost time: a 4-bit + LoRA forward launches ~4,000 kernels, and at 512 tokens (8 rows x 1,024 prompt tokens
+# in 16 chunks) the 8B prefill took 1.45 s, of which its kernels ran 0.58 s (bench/memory.py --profile, H100,
+# 2026-12-07): the rest was launching them. 2,048 makes that 4 chunks, ~0.35 GiB of activations.
+PREFILL_TOKENS = 2048
 # ... but at most this many chunks: each is a forward of the whole model, and for a large batch PREFILL_TOKENS
 # alone made the prefill a decode loop (Qwen2.5-1.5B shape, batch 256 x 256 prompt tokens: 128 chunks of 2
 # positions took 3.0 s on an H100, bench/RESULTS.md 2026-12-06 21:54, against 0.44 s for one pass on an H200).
