@@ -5,7 +5,7 @@ gets a forward that sends small batches (2 to `max_rows` rows: the decode steps)
 reads each packed weight once, and everything else (a longer prefill, a lone row) through bitsandbytes' own forward;
 on exit the layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer; where
 one adapter is active (plain LoRA: no DoRA or other variant, no dropout at work) the wrapper's forward computes
-u = x @ A^T and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so an adapter costs
+u = x @ A^T (in the layer's compute dtype) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so an adapter costs
 one small product a projection instead of two products and an add; any other wrapper adds its deltas around
 whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the adapters do not
 change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised absmax included (resolved
@@ -93,22 +93,25 @@ def lora_adapter(wrapper) -> str | None:
 
 
 def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
-    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the adapter's dtype (peft casts x to it), then
-    base + (u @ B^T) * scaling in the kernel. Everything else (other row counts, extra arguments, autocast, a
-    dropout at work) takes the wrapper's own forward."""
+    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the base layer's compute dtype (A and B copied
+    to it here, once a rollout: peft keeps them in fp32 for training, and an fp32 product of 8 rows took twice a
+    bf16 one's time on an H100, bench/RESULTS.md 2026-12-07), then base + (u @ B^T) * scaling in the kernel, in
+    fp32 accumulation. Everything else (other row counts, extra arguments, autocast, a dropout at work) takes the wrapper's own
+    forward."""
     own, base = type(wrapper).forward, wrapper.get_base_layer()
     lora_a, lora_b, dropout = wrapper.lora_A[adapter], wrapper.lora_B[adapter], wrapper.lora_dropout[adapter]
     scale = torch.tensor([float(wrapper.scaling[adapter])], dtype=torch.float32, device=weight.packed.device)
     args = op_arguments(weight)
+    dtype = getattr(base, "compute_dtype", None) or lora_a.weight.dtype
+    a, b = lora_a.weight.detach().to(dtype), lora_b.weight.detach().to(dtype)
 
     def forward(x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
         idle_dropout = isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0
         if (rest or kwargs or not idle_dropout or torch.is_autocast_enabled()
                 or not min_rows <= x.numel() // x.shape[-1] <= max_rows):
             return own(wrapper, x, *rest, **kwargs)
-        a = lora_a.weight
         u = torch.nn.functional.linear(x.to(a.dtype), a)
-        return base_product(base, args, x, u, lora_b.weight.to(a.dtype), scale)
+        return base_product(base, args, x, u, b, scale)
     return forward
 
 

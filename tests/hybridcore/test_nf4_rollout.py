@@ -71,3 +71,38 @@ def test_only_a_lone_plain_adapter_goes_into_the_kernel(change, expected):
     wrapper = SimpleNamespace(**{"active_adapters": ["actor"], "lora_A": {"actor": None, "critic": None},
                                  "merged": False, "disable_adapters": False, "lora_variant": {}, **change})
     assert lora_adapter(wrapper) == expected
+
+
+def test_the_adapter_product_runs_in_the_compute_dtype(monkeypatch):
+    """A bf16 layer's decode rows: u = x @ A^T in bf16 and B handed to the kernel in bf16 (copies made once, when
+    the forward is built: peft keeps A and B in fp32), the delta's scale fp32; the op is stubbed here, the kernel's
+    arithmetic is the interpreted tests' (fp32 layers)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridcore import fused_decode, nf4
+    seen = {}
+
+    class Wrapper(SimpleNamespace):
+        def forward(self, x):
+            raise AssertionError("4 rows: the patched forward, not the wrapper's own")
+
+    def op(x, *args):
+        seen.update(x=x.dtype, u=args[-3].dtype, b=args[-2].dtype, scale=args[-1].dtype, u_value=args[-3])
+        return x.new_zeros(*x.shape[:-1], 64)
+    monkeypatch.setattr(fused_decode, "nf4_matmul", op)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.nn.Linear(32, 8, bias=False), torch.nn.Linear(8, 64, bias=False)
+    base = SimpleNamespace(compute_dtype=torch.bfloat16, bias=None)
+    wrapper = Wrapper(get_base_layer=lambda: base, lora_A={"actor": a}, lora_B={"actor": b},
+                      lora_dropout={"actor": torch.nn.Identity()}, scaling={"actor": 2.0})
+    packed = torch.zeros(64 * 32 // 2, dtype=torch.uint8)
+    weight = nf4.NF4Weight(packed, torch.ones(32), torch.linspace(-1, 1, 16), (64, 32), 64)
+    forward = fused_decode.fused_lora_forward(wrapper, "actor", weight, max_rows=16)
+    x = torch.randn(4, 32, generator=g).bfloat16()
+    assert forward(x).dtype == torch.bfloat16
+    assert (seen["x"], seen["u"], seen["b"], seen["scale"]) == (torch.bfloat16,) * 3 + (torch.float32,)
+    want = x.float() @ a.weight.detach().bfloat16().float().T
+    assert torch.allclose(seen["u_value"].float(), want, rtol=1e-2, atol=1e-2)
+    assert a.weight.dtype == b.weight.dtype == torch.float32  # the adapters themselves stay as training keeps them
