@@ -9,7 +9,8 @@ as one eager call gave them, against x @ dequantised(W)^T in fp32 (max |error| r
 bf16 dense multiplies the weights before quantisation, so its "error" is the quantisation's).
 LORA_ROWS: the same linears with a LoRA adapter each (rank --lora-rank, fp32 A and B as peft keeps them), the
 delta added as peft adds it (A and B products in fp32, the sum rounded, then added) after bitsandbytes or after
-`auto`, and in the kernel's epilogue (nf4.matmul's `lora`, what hybridcore/fused_decode.py does); their reference
+`auto`, and in the kernel's epilogue (nf4.matmul's `lora`) with u = x @ A^T and B in x's dtype (copies: what
+hybridcore/fused_decode.py does) or in fp32 (`_fp32`: what it did until 2026-12-07); their reference
 includes the delta. CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
 skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
 (carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
@@ -92,7 +93,7 @@ CONFIGS = [
 ]
 
 
-LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue")  # timed at 8 and 16 rows, right after bnb
+LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32")  # at 8 and 16 rows
 
 
 def build(layers: int, shapes: dict, device: str, rank: int = 16):
@@ -111,6 +112,7 @@ def build(layers: int, shapes: dict, device: str, rank: int = 16):
             lora = {"lora_a": torch.randn(rank, k, device=device) / k ** 0.5, "lora_b": torch.randn(n, rank,
                                                                                                     device=device) * 0.02,
                     "scale": torch.tensor([2.0], device=device)}  # alpha / rank = 2: peft's scaling of the pipeline's
+            lora.update(lora_a_x=lora["lora_a"].to(w.dtype), lora_b_x=lora["lora_b"].to(w.dtype))  # x's dtype
             weights.append({"name": name, "dense": w, "packed": packed, "state": state, "nf4": q,
                             "exact": q.dequantize() if layer == 0 else None, **lora})  # exact: the fp32 reference
     return weights
@@ -125,6 +127,8 @@ def methods(configs) -> dict:
     out["bnb+lora_peft"] = lambda x, w: out["bnb"](x, w) + peft_delta(x, w)
     out["auto+lora_peft"] = lambda x, w: nf4.matmul(x, w["nf4"]) + peft_delta(x, w)
     out["auto+lora_epilogue"] = lambda x, w: nf4.matmul(
+        x, w["nf4"], lora=(torch.nn.functional.linear(x, w["lora_a_x"]), w["lora_b_x"], w["scale"]))
+    out["auto+lora_epilogue_fp32"] = lambda x, w: nf4.matmul(
         x, w["nf4"], lora=(torch.nn.functional.linear(x.float(), w["lora_a"]), w["lora_b"], w["scale"]))
     return out
 
