@@ -5,12 +5,13 @@ gets a forward that sends small batches (2 to `max_rows` rows: the decode steps)
 reads each packed weight once, and everything else (a longer prefill, a lone row) through bitsandbytes' own forward;
 on exit the layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer; where
 one adapter is active (plain LoRA: no DoRA or other variant, no dropout at work) the wrapper's forward computes
-u = x @ A^T (in the layer's compute dtype) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so an adapter costs
-one small product a projection instead of two products and an add; any other wrapper adds its deltas around
-whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the adapters do not
-change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised absmax included (resolved
-per block inside the kernel), so the rollout holds no copy of them; only the second level's small tables are made
-fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes:
+u = x @ A^T (in the layer's compute dtype; adapters of one module that read the same input, q/k/v or gate/up, in
+one product: `SharedInput`) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so
+an adapter costs at most one small product a projection instead of two products and an add; any other wrapper adds
+its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the
+adapters do not change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised
+absmax included (resolved per block inside the kernel), so the rollout holds no copy of them; only the second
+level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes:
 0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
 
 The kernel is called through a custom op (`torch.ops.hybridcore.nf4_matmul`), which torch.compile keeps as one
@@ -92,27 +93,84 @@ def lora_adapter(wrapper) -> str | None:
     return active[0]
 
 
-def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS):
-    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the base layer's compute dtype (A and B copied
-    to it here, once a rollout: peft keeps them in fp32 for training, and an fp32 product of 8 rows took twice a
-    bf16 one's time on an H100, bench/RESULTS.md 2026-12-07), then base + (u @ B^T) * scaling in the kernel, in
-    fp32 accumulation. Everything else (other row counts, extra arguments, autocast, a dropout at work) takes the wrapper's own
-    forward."""
+class SharedInput:
+    """The LoRA wrappers of one module that take the same input (a Llama attention's q/k/v, its MLP's gate/up):
+    their A matrices stacked [sum of ranks, K] in the compute dtype, so the first of them to see an input computes
+    every member's u in one product and the others slice theirs (on an H100, 224 separate products of 8 rows took
+    1.41 ms a step in bf16, grouped by input 0.82: bench/RESULTS.md 2026-12-07). The parent module's forward
+    pre-hook forgets the last input, so a memo never outlives the module call that made it (nor reaches into a
+    compiled step from outside it); a member called with another input (o_proj) computes the stack for that one."""
+
+    def __init__(self, a: torch.Tensor):
+        self.a, self.x, self.u = a, None, None
+
+    def forget(self, *_) -> None:
+        self.x = self.u = None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.x is not x:
+            self.x, self.u = x, torch.nn.functional.linear(x, self.a)
+        return self.u
+
+
+def lora_operands(wrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's A and B copied to `dtype` (peft keeps them in fp32 for training; an fp32 product of 8 rows took
+    twice a bf16 one's time on an H100, bench/RESULTS.md 2026-12-07); once a rollout."""
+    return wrapper.lora_A[adapter].weight.detach().to(dtype), wrapper.lora_B[adapter].weight.detach().to(dtype)
+
+
+def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS,
+                       shared: tuple[SharedInput, slice] | None = None):
+    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the base layer's compute dtype (`lora_operands`;
+    with `shared`, its rows of the group's product), then base + (u @ B^T) * scaling in the kernel, in fp32
+    accumulation. Everything else (other row counts, extra arguments, autocast, a dropout at work) takes the
+    wrapper's own forward."""
     own, base = type(wrapper).forward, wrapper.get_base_layer()
-    lora_a, lora_b, dropout = wrapper.lora_A[adapter], wrapper.lora_B[adapter], wrapper.lora_dropout[adapter]
+    dropout = wrapper.lora_dropout[adapter]
     scale = torch.tensor([float(wrapper.scaling[adapter])], dtype=torch.float32, device=weight.packed.device)
     args = op_arguments(weight)
-    dtype = getattr(base, "compute_dtype", None) or lora_a.weight.dtype
-    a, b = lora_a.weight.detach().to(dtype), lora_b.weight.detach().to(dtype)
+    a, b = lora_operands(wrapper, adapter, compute_dtype(wrapper, adapter))
+    if shared is not None:
+        a = shared[0].a  # the group's stack holds this adapter's A: no second copy
 
     def forward(x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
         idle_dropout = isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0
         if (rest or kwargs or not idle_dropout or torch.is_autocast_enabled()
                 or not min_rows <= x.numel() // x.shape[-1] <= max_rows):
             return own(wrapper, x, *rest, **kwargs)
-        u = torch.nn.functional.linear(x.to(a.dtype), a)
+        if shared is None:
+            u = torch.nn.functional.linear(x.to(a.dtype), a)
+        else:
+            u = shared[0].product(x.to(a.dtype))[..., shared[1]]
         return base_product(base, args, x, u, b, scale)
     return forward
+
+
+def compute_dtype(wrapper, adapter: str) -> torch.dtype:
+    return getattr(wrapper.get_base_layer(), "compute_dtype", None) or wrapper.lora_A[adapter].weight.dtype
+
+
+def shared_inputs(model, wrappers: dict) -> dict:
+    """{id(wrapper): (SharedInput, its rows)} for the wrappers (id -> adapter) that share a parent module, input
+    width and compute dtype with another, and the handles of the parents' forward pre-hooks that forget their
+    groups' inputs (removed when the rollout ends)."""
+    out, hooks = {}, []
+    for parent in model.modules():
+        groups: dict = {}
+        for child in parent.children():
+            if id(child) in wrappers:
+                adapter = wrappers[id(child)]
+                key = (child.get_base_layer().in_features, compute_dtype(child, adapter))
+                groups.setdefault(key, []).append(child)
+        for (_, dtype), members in groups.items():
+            if len(members) < 2:
+                continue
+            a = [lora_operands(m, wrappers[id(m)], dtype)[0] for m in members]
+            group = SharedInput(torch.cat(a))
+            hooks.append(parent.register_forward_pre_hook(group.forget))
+            starts = [0, *torch.tensor([t.shape[0] for t in a]).cumsum(0).tolist()]
+            out.update({id(m): (group, slice(s, e)) for m, s, e in zip(members, starts, starts[1:])})
+    return out, hooks
 
 
 def lora_wrappers(model) -> list[torch.nn.Module]:
@@ -131,7 +189,7 @@ class FusedNf4Decode:
     name = "fused_nf4_decode"
 
     def __init__(self, model, max_rows: int = MAX_ROWS):
-        self.model, self.layers, self.wrappers = model, linear4bit_layers(model), []
+        self.model, self.layers, self.wrappers, self.hooks = model, linear4bit_layers(model), [], []
         if not self.layers:
             raise ValueError("fused 4-bit decode: the model has no bitsandbytes Linear4bit layer")
         self.max_rows = max_rows
@@ -144,17 +202,19 @@ class FusedNf4Decode:
         weights = {id(layer): nf4.NF4Weight.from_bnb(layer.weight) for layer in self.layers}
         for layer in self.layers:
             layer.forward = fused_forward(layer, weights[id(layer)], self.max_rows)
+        plain = {id(w): (w, a) for w in lora_wrappers(self.model) for a in [lora_adapter(w)] if a is not None}
+        shared, self.hooks = shared_inputs(self.model, {key: a for key, (_, a) in plain.items()})
         self.wrappers = []
-        for wrapper in lora_wrappers(self.model):
-            adapter = lora_adapter(wrapper)
-            if adapter is not None:
-                weight = weights[id(wrapper.get_base_layer())]
-                wrapper.forward = fused_lora_forward(wrapper, adapter, weight, self.max_rows)
-                self.wrappers.append(wrapper)
+        for key, (wrapper, adapter) in plain.items():
+            weight = weights[id(wrapper.get_base_layer())]
+            wrapper.forward = fused_lora_forward(wrapper, adapter, weight, self.max_rows, shared=shared.get(key))
+            self.wrappers.append(wrapper)
         return {}
 
     def exit(self) -> dict[str, int]:
         for layer in self.layers + self.wrappers:
             layer.__dict__.pop("forward", None)
-        self.wrappers = []
+        for hook in self.hooks:
+            hook.remove()
+        self.wrappers, self.hooks = [], []
         return {}

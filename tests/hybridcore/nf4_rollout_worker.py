@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from hybridcore import nf4  # noqa: E402
+from hybridcore import fused_decode, nf4  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters  # noqa: E402
 from hybridcore.fused_decode import FusedNf4Decode, linear4bit_layers  # noqa: E402
@@ -69,14 +69,23 @@ def main() -> None:
         calls["lora"] += kwargs.get("lora") is not None
         return plain_matmul(x, w, *args, **kwargs)
     nf4.matmul = counted
+    shared = {"calls": 0, "products": 0}  # the grouped LoRA A products (fused_decode.SharedInput)
+    plain_product = fused_decode.SharedInput.product
+
+    def counted_product(self, x):
+        shared["calls"] += 1
+        shared["products"] += self.x is not x
+        return plain_product(self, x)
+    fused_decode.SharedInput.product = counted_product
     out = {}
     for fused in (False, True):
         actor = HybridActor(model, tok, fused_4bit=fused)
         with actor.rollout():
             out[str(fused)] = actor.generate(prompts, 6, greedy=True)
             out[f"logp_{fused}"] = actor.last_logprobs
-        out["restored"] = not any("forward" in vars(m) for m in model.modules())
+        out["restored"] = not any("forward" in vars(m) or m._forward_pre_hooks for m in model.modules())
     out["fused_calls"], out["lora_calls"] = len(calls["rows"]), calls["lora"]
+    out["shared_calls"], out["shared_products"] = shared["calls"], shared["products"]
     out["fused_rows"] = sorted(set(calls["rows"]))
     for fused in (False, True):  # one prompt: its decode steps are one row, which bitsandbytes' gemv takes
         actor = HybridActor(model, tok, fused_4bit=fused)

@@ -32,6 +32,10 @@ def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(re
     assert results["linear4bit"] == 14  # 2 layers x 7 projections
     assert results["fused_calls"] == results["linear4bit"] * DECODE_STEPS
     assert results["lora_calls"] == results["fused_calls"]  # each adapter's delta in the kernel's epilogue
+    # u = x @ A^T grouped by input: per layer q/k/v/o share a parent and a width (o_proj's input differs, so it makes
+    # a product of its own), gate/up share theirs: 3 products for 6 adapters, down_proj's alone
+    assert results["shared_calls"] == 6 / 7 * results["lora_calls"] and \
+        results["shared_products"] * 2 == results["shared_calls"]
     assert results["fused_rows"] == [PROMPTS]
     assert results["restored"] is True
 
