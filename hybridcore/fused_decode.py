@@ -11,8 +11,8 @@ an adapter costs at most one small product a projection instead of two products 
 its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the
 adapters do not change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised
 absmax included (resolved per block inside the kernel), so the rollout holds no copy of them; only the second
-level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an eighth of the packed bytes:
-0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
+level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an
+eighth of the packed bytes: 0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
 
 The kernel is called through a custom op (`torch.ops.hybridcore.nf4_matmul`), which torch.compile keeps as one
 opaque node: traced into, the launcher's Python broke the compiled decode step inside every attention, and each
