@@ -58,8 +58,35 @@ def compiled_step(model) -> dict:
     return {"graphs": explained.graph_count, "breaks": explained.graph_break_count, "max_diff": diff}
 
 
+def compiles_across_rollouts(model) -> int:
+    """How many graphs dynamo compiles of the fused decode step over two rollouts (the transition entered, two steps,
+    left, twice): each entry builds new forwards, adapter copies and input groups; one compile means none of that
+    is guarded on (a recompile of the 8B step costs ~60 s a PPO iteration)."""
+    torch._dynamo.reset()
+    count = {"graphs": 0}
+
+    def backend(gm, _inputs):
+        count["graphs"] += 1
+        return gm.forward
+    compiled = torch.compile(decode_step, backend=backend, dynamic=False)
+    fused = FusedNf4Decode(model)
+    for _ in range(2):
+        fused.enter()
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    cache = StaticKVCache.allocate(model.config, 3, 8, torch.float32, torch.device("cpu"))
+                    compiled(model, torch.tensor([[5], [9], [17]]), torch.zeros(3, 1, dtype=torch.long),
+                             torch.zeros(1, dtype=torch.long), torch.zeros(3, 8, dtype=torch.bool), cache.keys,
+                             cache.values)
+        finally:
+            fused.exit()
+    return count["graphs"]
+
+
 def main() -> None:
     model, tok = model_and_tokenizer()
+    across = compiles_across_rollouts(model)  # before the counting wrappers below: dynamo guards on their counters
     prompts = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(TEXTS[:3])]
     calls = {"rows": [], "lora": 0}
     plain_matmul = nf4.matmul
@@ -77,7 +104,7 @@ def main() -> None:
         shared["products"] += self.x is not x
         return plain_product(self, x)
     fused_decode.SharedInput.product = counted_product
-    out = {}
+    out = {"compiles_across_rollouts": across}
     for fused in (False, True):
         actor = HybridActor(model, tok, fused_4bit=fused)
         with actor.rollout():
