@@ -108,8 +108,9 @@ class SharedInput:
         self.x = self.u = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's u for input x (the tensor the module passed, before any cast: its identity is the key)."""
         if self.x is not x:
-            self.x, self.u = x, torch.nn.functional.linear(x, self.a)
+            self.x, self.u = x, torch.nn.functional.linear(x.to(self.a.dtype), self.a)
         return self.u
 
 
@@ -141,7 +142,7 @@ def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: i
         if shared is None:
             u = torch.nn.functional.linear(x.to(a.dtype), a)
         else:
-            u = shared[0].product(x.to(a.dtype))[..., shared[1]]
+            u = shared[0].product(x)[..., shared[1]]
         return base_product(base, args, x, u, b, scale)
     return forward
 
