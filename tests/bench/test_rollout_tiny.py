@@ -1,0 +1,23 @@
+"""bench/rollout.py --tiny on CPU: the rollout benchmark end to end (native runs, the sampler rows beside torch's
+sampler, the profile, the fp32 greedy check against transformers' generate, the transitions, the baselines), its
+JSON complete. The GPU figures come from the same code paths."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_run_measures_every_section(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--tiny", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # 1: an error or a failed greedy check
+    res = json.loads((tmp_path / "rollout.json").read_text())
+    assert res["errors"] == {} and res["correctness"]["passed"]
+    rows = {r["backend"]: r for r in res["native"]}
+    for name in ("native-sample-T1", "native-sample-T1-torch-sampler", "native-greedy-torch-sampler"):
+        assert rows[name]["tok_per_s"] > 0 and rows[name]["step_ms"] > 0, name
+    assert {r["backend"] for r in res["hf"]} >= {"hf-dynamic", "hf-static"}
