@@ -20,6 +20,7 @@ decoder layer's `layer_idx` then forced a recompile of the rest, past dynamo's l
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -114,25 +115,25 @@ class SharedInput:
         return self.u
 
 
-def lora_operands(wrapper, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adapter's A and B copied to `dtype` (peft keeps them in fp32 for training; an fp32 product of 8 rows took
-    twice a bf16 one's time on an H100, bench/RESULTS.md 2026-12-07); once a rollout."""
-    return wrapper.lora_A[adapter].weight.detach().to(dtype), wrapper.lora_B[adapter].weight.detach().to(dtype)
+def lora_weight(wrapper, adapter: str, which: str, dtype: torch.dtype) -> torch.Tensor:
+    """The adapter's A or B (`which`) copied to `dtype` (peft keeps them in fp32 for training; an fp32 product of 8
+    rows took twice a bf16 one's time on an H100, bench/RESULTS.md 2026-12-07); once a rollout."""
+    return getattr(wrapper, f"lora_{which}")[adapter].weight.detach().to(dtype)
 
 
 def fused_lora_forward(wrapper, adapter: str, weight: nf4.NF4Weight, max_rows: int, min_rows: int = MIN_ROWS,
                        shared: tuple[SharedInput, slice] | None = None):
-    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the base layer's compute dtype (`lora_operands`;
-    with `shared`, its rows of the group's product), then base + (u @ B^T) * scaling in the kernel, in fp32
-    accumulation. Everything else (other row counts, extra arguments, autocast, a dropout at work) takes the
-    wrapper's own forward."""
+    """A peft LoRA wrapper's forward for decode rows: u = x @ A^T in the base layer's compute dtype (`lora_weight`;
+    with `shared`, its rows of the group's product, whose stack holds its A), then base + (u @ B^T) * scaling in
+    the kernel, in fp32 accumulation. Everything else (other row counts, extra arguments, autocast, a dropout at
+    work) takes the wrapper's own forward."""
     own, base = type(wrapper).forward, wrapper.get_base_layer()
     dropout = wrapper.lora_dropout[adapter]
     scale = torch.tensor([float(wrapper.scaling[adapter])], dtype=torch.float32, device=weight.packed.device)
     args = op_arguments(weight)
-    a, b = lora_operands(wrapper, adapter, compute_dtype(wrapper, adapter))
-    if shared is not None:
-        a = shared[0].a  # the group's stack holds this adapter's A: no second copy
+    dtype = compute_dtype(wrapper, adapter)
+    a = lora_weight(wrapper, adapter, "A", dtype) if shared is None else None
+    b = lora_weight(wrapper, adapter, "B", dtype)
 
     def forward(x: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
         idle_dropout = isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0
@@ -151,7 +152,7 @@ def compute_dtype(wrapper, adapter: str) -> torch.dtype:
     return getattr(wrapper.get_base_layer(), "compute_dtype", None) or wrapper.lora_A[adapter].weight.dtype
 
 
-def shared_inputs(model, wrappers: dict) -> dict:
+def shared_inputs(model, wrappers: dict) -> tuple[dict, list]:
     """{id(wrapper): (SharedInput, its rows)} for the wrappers (id -> adapter) that share a parent module, input
     width and compute dtype with another, and the handles of the parents' forward pre-hooks that forget their
     groups' inputs (removed when the rollout ends)."""
@@ -166,10 +167,10 @@ def shared_inputs(model, wrappers: dict) -> dict:
         for (_, dtype), members in groups.items():
             if len(members) < 2:
                 continue
-            a = [lora_operands(m, wrappers[id(m)], dtype)[0] for m in members]
+            a = [lora_weight(m, wrappers[id(m)], "A", dtype) for m in members]
             group = SharedInput(torch.cat(a))
             hooks.append(parent.register_forward_pre_hook(group.forget))
-            starts = [0, *torch.tensor([t.shape[0] for t in a]).cumsum(0).tolist()]
+            starts = [0, *itertools.accumulate(t.shape[0] for t in a)]
             out.update({id(m): (group, slice(s, e)) for m, s, e in zip(members, starts, starts[1:])})
     return out, hooks
 
