@@ -25,6 +25,7 @@ tests/hybridcore/sampling_worker.py runs in a process of its own for that).
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -109,9 +110,16 @@ def sample(logits: torch.Tensor, greedy: bool = False, temperature: float = 1.0,
 def splits(rows: int, vocab: int, device: torch.device) -> int:
     """Programs a row's vocabulary is split among: enough for PROGRAMS_PER_SM programs on every SM (a decode batch
     of 8 rows would otherwise keep 8 SMs busy), at least a block of columns each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     blocks = -(-vocab // DEFAULTS["block"])
     return max(1, min(blocks, -(-DEFAULTS["programs_per_sm"] * sms // max(rows, 1))))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    """The device's SMs, asked once (splits runs every decode step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _fused(logits: torch.Tensor, greedy: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,12 @@ def _exponential(u):
 
 
 @triton.jit
-def _visit(x, idx, ok, u, inv_t, m, s, best, best_col, V, GREEDY: tl.constexpr):
-    """One quarter block of a row into the lanes' state: the running max m and sum s of exp(logit - m), the best
-    score and its first column (score = logit, or logit * inv_t - log(E))."""
+def _visit(base, idx, end, u, inv_t, m, s, best, best_col, V, GREEDY: tl.constexpr):
+    """The columns idx of a row (a quarter block; those from `end` on are none) into the lanes' state: the running
+    max m and sum s of exp(logit - m), the best score and its first column (score = logit, or logit * inv_t -
+    log(E))."""
+    ok = idx < end
+    x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
     new_m = tl.maximum(m, x)
     shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # a lane that has seen only -inf keeps s = 0
     s = s * tl.exp(m - shift) + tl.exp(x - shift)
@@ -51,18 +54,10 @@ def sample_partials(logits_ptr, stride, V, PER, seed, inv_t, m_ptr, s_ptr, best_
             u0, u1, u2, u3 = lanes * 0.0, lanes * 0.0, lanes * 0.0, lanes * 0.0
         else:
             u0, u1, u2, u3 = tl.rand4x(seed + row, start // 4 + lanes)
-        idx = start + lanes
-        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        m, s, best, best_col = _visit(x, idx, idx < end, u0, inv_t, m, s, best, best_col, V, GREEDY)
-        idx = start + Q + lanes
-        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        m, s, best, best_col = _visit(x, idx, idx < end, u1, inv_t, m, s, best, best_col, V, GREEDY)
-        idx = start + 2 * Q + lanes
-        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        m, s, best, best_col = _visit(x, idx, idx < end, u2, inv_t, m, s, best, best_col, V, GREEDY)
-        idx = start + 3 * Q + lanes
-        x = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        m, s, best, best_col = _visit(x, idx, idx < end, u3, inv_t, m, s, best, best_col, V, GREEDY)
+        m, s, best, best_col = _visit(base, start + lanes, end, u0, inv_t, m, s, best, best_col, V, GREEDY)
+        m, s, best, best_col = _visit(base, start + Q + lanes, end, u1, inv_t, m, s, best, best_col, V, GREEDY)
+        m, s, best, best_col = _visit(base, start + 2 * Q + lanes, end, u2, inv_t, m, s, best, best_col, V, GREEDY)
+        m, s, best, best_col = _visit(base, start + 3 * Q + lanes, end, u3, inv_t, m, s, best, best_col, V, GREEDY)
     top = tl.max(m, 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
     winner = tl.max(best, 0)
