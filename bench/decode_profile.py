@@ -16,6 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 KINDS = [  # first match wins
     ("sampling", r"argmax|multinomial|topk|sort|cumsum|softmax|exponential"),
+    ("nf4 (fused decode)", r"^nf4_"),
+    ("dequantize (bitsandbytes)", r"kDequantize|dequantize"),
     ("attention", r"fmha|attention|flash|efficient|scaled_dot"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|splitk|aten::mm|aten::addmm|aten::bmm|aten::linear"),
     ("inductor fused (triton)", r"^triton_|cpp_fused"),

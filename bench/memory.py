@@ -488,6 +488,16 @@ def profile_decode(b: Bench, steps: int) -> dict:
     return report
 
 
+def profile_step(b: Bench) -> dict:
+    """The default row's scoring and update (one PPO step on its last rollout's responses): kernel time by kind
+    beside the step's wall time, so launch gaps and host work show as the difference."""
+    from bench.decode_profile import breakdown
+    t0 = time.perf_counter()
+    report = {"kernels": breakdown(lambda: b.step(2, rollout=False, fused=b.fused_default), b.device, 1)}
+    report["profiled_wall_s"] = time.perf_counter() - t0
+    return report
+
+
 @contextmanager
 def _null():
     yield
@@ -586,7 +596,7 @@ def main() -> int:
                          "decode')")
     ap.add_argument("--profile", action="store_true",
                     help="after the default row: its decode step's and prefill's kernels by kind, a graph replay "
-                         "(decode_profile.py)")
+                         "(decode_profile.py), and the kernels of one more step's scoring and update")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()
@@ -653,7 +663,8 @@ def main() -> int:
     res["rollout_stats"] = {k: v for k, v in b.actor(False, b.fused_default).last_stats.items()}
     if a.profile:
         res["decode_profile"] = profile_decode(b, steps=8 if cuda else 2)
-        print(json.dumps(res["decode_profile"], indent=1), flush=True)
+        res["step_profile"] = profile_step(b)
+        print(json.dumps({k: res[k] for k in ("decode_profile", "step_profile")}, indent=1), flush=True)
     save(res, a.out)
     print(markdown(res), flush=True)
     res["ablation"] = []

@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from hybridcore import decode_attention
-from hybridcore.adapters import mixed_precision
+from hybridcore.adapters import compute_dtype
 from hybridcore.batch import position_ids
 from hybridcore.sampling import draw
 from hybridcore.tensor_parallel import head_shape, local_kv_heads, tp_state
@@ -130,13 +130,55 @@ def compiled_decode_step():
     return _compiled_step
 
 
-def prefill_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, P, P] bool: causal over real tokens. A padding query sees only itself, so no row of the softmax
-    is empty (an empty row is NaN, and NaN keys would poison real rows through 0 * NaN)."""
-    P = mask.shape[1]
-    causal = torch.ones(P, P, dtype=torch.bool, device=mask.device).tril()
-    allowed = causal[None] & mask.bool()[:, None, :]
-    return (allowed | torch.eye(P, dtype=torch.bool, device=mask.device))[:, None]
+def chunk_mask(written: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """[B, 1, rows, capacity] bool for the prefill's queries at cache columns start .. start + rows - 1: each sees
+    the prompt's real tokens (`written` [B, capacity], the decoder's mask) at or before its own column, and itself,
+    so a padding query's softmax row is never empty (an empty row is NaN, and NaN keys would poison real rows
+    through 0 * NaN). Every cache column is a key, unwritten ones masked: one shape for every chunk."""
+    q = torch.arange(start, start + rows, device=written.device)[:, None]
+    k = torch.arange(written.shape[1], device=written.device)[None, :]
+    return (((k <= q)[None] & written[:, None, :]) | (k == q)[None])[:, None]
+
+
+def prefill_chunk(model, ids, mask, positions, index, keep, keys, values, dtype) -> torch.Tensor:
+    """Feed prompt chunk `ids` [B, c] at cache columns `index` [c] through `mask` [B, 1, c, capacity]: the logits
+    [B, V] at chunk row `keep` (a [1] tensor). dtype: the autocast of training's forward (adapters.mixed_precision)
+    or None. Like decode_step a plain function of tensors whose shapes are fixed for one decoder, so torch.compile
+    compiles it once per batch size and capacity (inductor fuses the norms, rotary, activations and cache writes
+    that otherwise cost about half the prefill's GPU time at the 1.5B shape)."""
+    def forward():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                     past_key_values=StaticKVCache(keys, values, index), logits_to_keep=keep).logits[:, -1]
+    if dtype is None:
+        return forward()
+    with torch.autocast(device_type=ids.device.type, dtype=dtype, cache_enabled=False):
+        return forward()
+
+
+_compiled_prefill = None
+
+
+def compiled_prefill_chunk():
+    """prefill_chunk through torch.compile: one compiled function per process, as compiled_decode_step."""
+    global _compiled_prefill
+    if _compiled_prefill is None:
+        _compiled_prefill = torch.compile(prefill_chunk, dynamic=False)
+    return _compiled_prefill
+
+
+def prefill_starts(prompt: int, chunk: int) -> list[int]:
+    """The first cache column of each prefill chunk of `chunk` columns over a `prompt`-column prompt: back to back,
+    the last one ending at the prompt's end (overlapping the one before: its columns are written again with the
+    same values), or, for a prompt shorter than a chunk, one chunk reaching past the prompt into columns the decode
+    steps overwrite before they read them. Every chunk the same shape: one compile."""
+    if prompt <= chunk:
+        return [0]
+    return list(range(0, prompt - chunk, chunk)) + [prompt - chunk]
+
+
+def quantised(model) -> bool:
+    """Whether any layer is bitsandbytes' (4- or 8-bit)."""
+    return any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
 
 
 # prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
@@ -150,7 +192,8 @@ PREFILL_TOKENS = 2048
 # ... but at most this many chunks: each is a forward of the whole model, and for a large batch PREFILL_TOKENS
 # alone made the prefill a decode loop (Qwen2.5-1.5B shape, batch 256 x 256 prompt tokens: 128 chunks of 2
 # positions took 3.0 s on an H100, bench/RESULTS.md 2026-12-06 21:54, against 0.44 s for one pass on an H200).
-# 16 leaves every chunk's activations a fraction of the KV cache it fills, which holds all P + new positions.
+# A chunk is at least capacity / 16 columns (capacity = P + new, rounded up), so its activations stay a fraction
+# of the KV cache, and its shape depends on the batch size and capacity alone (the compiled prefill's one shape).
 PREFILL_CHUNKS = 16
 
 _capture_streams: dict = {}
@@ -166,12 +209,16 @@ class _Decoder:
     """The static state of one (batch size, capacity): KV cache, input/output buffers, the captured graph."""
 
     def __init__(self, model, batch: int, capacity: int, cuda_graph: bool, compile: bool | None,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", prefill_tokens: int = PREFILL_TOKENS):
         """compile: True compiles the step (an error if that fails); None compiles it but falls back to the
-        plain step, with a warning and `compile_error` set, if compiling fails; False never compiles.
-        attention: decode_step's, "sdpa" or "filled"."""
+        plain step, with a warning and `compile_error` set, if compiling fails; False never compiles. The prefill
+        is compiled where the step is, but for bitsandbytes models (their prefill keeps its eager forward: not
+        timed compiled). attention: decode_step's, "sdpa" or "filled". prefill_tokens: see NativeRollout."""
         p = next(model.parameters())
         self.model, self.batch, self.capacity, self.attention = model, batch, capacity, attention
+        # prompt columns a prefill chunk: about prefill_tokens over the batch, at least capacity / PREFILL_CHUNKS
+        self.chunk = min(capacity, max(1, prefill_tokens // batch, -(-capacity // PREFILL_CHUNKS)))
+        self.required = compile is True
         self.cache = StaticKVCache.allocate(model.config, batch, capacity, p.dtype, p.device,
                                             kv_heads=local_kv_heads(model))
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
@@ -179,6 +226,7 @@ class _Decoder:
         self.column = torch.zeros(1, dtype=torch.long, device=p.device)  # cache column of the token fed
         self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=p.device)  # columns written so far
         self.step_fn = decode_step if compile is False else compiled_decode_step()
+        self.prefill_fn = prefill_chunk if compile is False or quantised(model) else compiled_prefill_chunk()
         self.compile_error: str | None = None
         self.graph = self.logits = None
         if compile is not False:
@@ -202,6 +250,7 @@ class _Decoder:
             warnings.warn(f"native rollout: torch.compile of the decode step failed ({self.compile_error}); "
                           "decoding with the uncompiled step", RuntimeWarning, stacklevel=3)
             self.step_fn = decode_step
+            self.prefill_fn = prefill_chunk  # not tried: the same compiler on the same model
             self.cache.zero_()
         self.reset()
 
@@ -226,6 +275,39 @@ class _Decoder:
         with torch.cuda.graph(self.graph, stream=side):
             self.logits = self._forward()
 
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, dtype) -> tuple[torch.Tensor, int]:
+        """Write the left-padded prompt ids [B, P] (mask [B, P]) into the cache in chunks of `self.chunk` columns
+        (prefill_starts): the logits [B, V] after its last token, and the number of chunks. A compiled prefill that
+        fails under compile=None warns, records `compile_error` and runs uncompiled (the chunk is simply redone).
+        dtype: training's autocast (adapters.compute_dtype) or None."""
+        B, P = ids.shape
+        c = self.chunk
+        self.mask[:, :P] = mask.bool()
+        positions = position_ids(mask)
+        if P < c:  # one chunk reaching past the prompt: padding queries (token 0, positions going on) see themselves
+            ids = F.pad(ids, (0, c - P))
+            positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, c - P + 1, device=ids.device)], 1)
+        starts = prefill_starts(P, c)
+        for s in starts:  # each chunk attends to the cache columns written so far and to its own
+            keep = torch.tensor([min(P, s + c) - 1 - s], device=ids.device)  # the prompt's last row (in the last chunk)
+            # contiguous: a slice's strides follow P, and torch.compile guards on strides (a recompile a length)
+            args = (self.model, ids[:, s:s + c].contiguous(), chunk_mask(self.mask, s, c),
+                    positions[:, s:s + c].contiguous(),
+                    torch.arange(s, s + c, device=ids.device), keep, self.cache.keys, self.cache.values, dtype)
+            try:
+                logits = self.prefill_fn(*args)
+            except Exception as e:  # noqa: BLE001 -- a compiler failure; the plain forward computes the same
+                if self.prefill_fn is prefill_chunk or self.required:
+                    raise
+                first = str(e).strip().splitlines()
+                self.compile_error = f"{type(e).__name__}: {first[0] if first else ''}"
+                warnings.warn(f"native rollout: torch.compile of the prefill failed ({self.compile_error}); "
+                              "prefilling uncompiled", RuntimeWarning, stacklevel=3)
+                self.prefill_fn = prefill_chunk
+                logits = prefill_chunk(*args)
+        return logits, len(starts)
+
     def reset(self) -> None:
         self.mask.zero_()
         self.column.zero_()
@@ -247,12 +329,13 @@ class NativeRollout:
     def __init__(self, model, cuda_graph: bool | None = None, stop_check_every: int | None = None,
                  capacity_multiple: int = 64, compile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS,
                  attention: str = "auto"):
-        """cuda_graph: None = on for CUDA models. compile: run the decode step through torch.compile; None = on
-        where the step is a CUDA graph (falling back to the plain step, with a warning, if compiling fails).
-        It compiles once per process for each model, batch size and capacity (~30 s for a 1.5B model on an H200);
-        later rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in
-        chunks of about this many tokens over the batch (in PREFILL_CHUNKS at most), so its activations stay small
-        beside the KV cache, which is allocated whole before the prefill. attention: how decode steps attend,
+        """cuda_graph: None = on for CUDA models. compile: run the decode step, and the prefill's chunks but for
+        bitsandbytes models, through torch.compile; None = on where the step is a CUDA graph (falling back to the
+        plain forward, with a warning, if compiling fails). It compiles once per process for each model, batch size
+        and capacity (~30 s for a 1.5B model on an H200), whatever the prompt length inside that capacity; later
+        rollouts of the same shape only re-capture the graph. prefill_tokens: the prompt is prefilled in chunks of
+        about this many tokens over the batch (in PREFILL_CHUNKS at most), so its activations stay small beside the
+        KV cache, which is allocated whole before the prefill. attention: how decode steps attend,
         "filled" (the Triton kernel that reads only the cache columns written so far: CUDA), "sdpa" (the whole
         cache, masked) or "auto" (filled on CUDA where the kernel takes the model's heads, else sdpa); the prefill
         is always sdpa."""
@@ -330,7 +413,8 @@ class NativeRollout:
             if compile is None and self.compile_error:  # failed once: not again every rollout (seconds, memory)
                 compile = False
             capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
-            self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile, self._resolve_attention(device))
+            self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile, self._resolve_attention(device),
+                                         self.prefill_tokens)
             self.compile_error = self.compile_error or d.compile_error
         d.reset()
         return d
@@ -353,16 +437,9 @@ class NativeRollout:
         clock = _Clock(ids.device)
         d = self._decoder_for(B, P + max_new_tokens, ids.device)  # a new shape: cache, compile, graph capture
         clock.mark()
-        d.mask[:, :P] = mask.bool()
-        allowed, positions = prefill_mask(mask), position_ids(mask)
-        chunk = max(1, self.prefill_tokens // B, -(-P // PREFILL_CHUNKS))  # prompt positions per chunk
-        for s in range(0, P, chunk):  # each chunk attends to the cache columns written so far and its own
-            e = min(P, s + chunk)
-            d.cache.index = torch.arange(s, e, device=ids.device)
-            with mixed_precision(self.model):  # as training's forward (forward.py); decode steps run without
-                logits = self.model(input_ids=ids[:, s:e], attention_mask=allowed[:, :, s:e, :e],
-                                    position_ids=positions[:, s:e], past_key_values=d.cache, use_cache=True,
-                                    logits_to_keep=1).logits[:, -1]
+        # autocast as training's forward (forward.py's mixed_precision); decode steps run without
+        logits, chunks = d.prefill(ids, mask, compute_dtype(self.model))
+        self.compile_error = self.compile_error or d.compile_error
         d.column.fill_(P)
         d.positions.copy_(mask.sum(1, keepdim=True))
         clock.mark()
@@ -385,10 +462,10 @@ class NativeRollout:
         out, self.last_logprobs = out[:, :n], logps[:, :n]
         clock.mark()
         build_s, prefill_s, decode_s = clock.intervals()
-        self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "prefill_chunks": -(-P // chunk),
+        self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "prefill_chunks": chunks,
                            "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
-                           "compiled": d.compiled, "compile_error": self.compile_error, "attention": d.attention}
+                           "compiled": d.compiled, "prefill_compiled": d.prefill_fn is not prefill_chunk, "compile_error": self.compile_error, "attention": d.attention}
         return out
 
 
@@ -418,8 +495,8 @@ class HFGenerate:
         knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else \
             dict(temperature=None, top_k=None, top_p=None)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_id,
-                               eos_token_id=stop_list(eos_id) or None, bos_token_id=None, cache_implementation=self.cache_implementation,
-                               **knobs)
+                               eos_token_id=stop_list(eos_id) or None, bos_token_id=None,
+                               cache_implementation=self.cache_implementation, **knobs)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         return out[:, ids.shape[1]:]
 

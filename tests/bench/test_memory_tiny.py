@@ -22,6 +22,8 @@ def test_tiny_run_times_every_row(tmp_path):
     prof = res["decode_profile"]  # --profile: the default actor's decode step, kernels by kind
     assert prof["kernels"]["kernels_per_unit"] > 0 and prof["eager_step_ms"] > 0 and prof["capacity"] >= 32
     assert prof["prefill"]["kernels"]["total_ms"] > 0
+    step = res["step_profile"]  # and one more step's scoring and update
+    assert step["kernels"]["kernels_per_unit"] > prof["kernels"]["kernels_per_unit"] and step["profiled_wall_s"] > 0
     rows = {r["row"]: r for r in res["ablation"]}
     assert list(rows) == [name for name, _, _ in rows_for("tiny")]
     assert "bitsandbytes 4-bit decode" not in rows  # on a CPU the default already decodes through bitsandbytes

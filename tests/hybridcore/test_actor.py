@@ -233,7 +233,8 @@ def test_chunked_rollout_equals_one_batch_and_keeps_one_cache(tok, prompts, eos_
 
 @pytest.mark.parametrize("prefill_tokens", [1, 8 * 7, 4096])
 def test_chunked_prefill_equals_one_pass(tok, prompts, eos_model, alone, prefill_tokens):
-    """The prompt prefilled in chunks (1 token a row, 7 tokens a row, whole): the same greedy responses."""
+    """The prompt prefilled in chunks (the smallest, capacity / PREFILL_CHUNKS columns; 7 columns; one chunk past
+    the prompt's end): the same greedy responses."""
     actor = HybridActor(eos_model, tok, backend_options={"prefill_tokens": prefill_tokens})
     with actor.rollout():
         assert actor.generate(prompts, MAX_NEW, greedy=True) == alone

@@ -405,3 +405,71 @@ def test_rollouts_stop_at_any_stop_token(tok, prompts, eos_model):
     assert ours == upto_stop(gen(hf, stops))
     assert any(r[-1] == common and len(r) < MAX_NEW for r in ours)
     assert actor.stop_ids == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_prefill_chunks_cover_the_prompt_in_one_shape():
+    """Back-to-back chunks of one size, the last ending at the prompt's end; a short prompt is one chunk."""
+    assert rollout.prefill_starts(9, 4) == [0, 4, 5] and rollout.prefill_starts(8, 4) == [0, 4]
+    assert rollout.prefill_starts(3, 4) == [0] and rollout.prefill_starts(4, 4) == [0]
+    for P in range(5, 40):
+        starts = rollout.prefill_starts(P, 4)
+        covered = set().union(*(range(s, s + 4) for s in starts))
+        assert covered == set(range(P)) and starts[-1] + 4 == P
+
+
+def test_the_prefill_compiles_once_for_prompts_of_several_lengths(tok, prompts, monkeypatch):
+    """The compiled prefill's chunks have one shape per batch size and capacity: rollouts whose prompts are 5, 9
+    and 20 tokens long (one, overlapping and several chunks) compile it once, and give generate's greedy tokens."""
+    compiles = Counter()
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            compiles[name] += 1
+            return gm.forward
+        return backend
+    monkeypatch.setattr(rollout, "_compiled_prefill", torch.compile(rollout.prefill_chunk, dynamic=False,
+                                                                    backend=counting("prefill")))
+    monkeypatch.setattr(rollout, "_compiled_step", torch.compile(rollout.decode_step, dynamic=False,
+                                                                 backend=counting("step")))
+    model = gqa_model(tok, seed=1)
+    actor = HybridActor(model, tok)
+    actor.backend = NativeRollout(model, compile=True, prefill_tokens=12)  # 3 rows: 4 columns a chunk
+    batches = [[p[:n] for p in prompts[3:6]] for n in (5, 9, 20)]
+    with actor.rollout():
+        got = [actor.generate(b, MAX_NEW, greedy=True) for b in batches]
+        assert actor.backend.last_stats["prefill_compiled"] and actor.backend.last_stats["prefill_chunks"] == 5
+    assert got == [run(model, tok, b, "hf", greedy=True) for b in batches]
+    assert compiles == {"prefill": 1, "step": 1}
+
+
+def test_a_prefill_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatch):
+    """compile=None: a failed prefill compile warns, is recorded in `compile_error`, and the uncompiled prefill
+    gives the same tokens (the decode step stays compiled); compile=True raises it. A 4-bit model's prefill is
+    never compiled."""
+    model = gqa_model(tok, seed=1)
+    expected = run(model, tok, prompts[:3], "native", greedy=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("prefill exploded")
+    monkeypatch.setattr(rollout, "compiled_prefill_chunk", lambda: broken)
+    monkeypatch.setattr(rollout, "_compiled_step", torch.compile(rollout.decode_step, backend="eager"))
+    for compile in (None, True):
+        actor = HybridActor(model, tok)
+        actor.backend = NativeRollout(model, cuda_graph=False, compile=compile)
+        with actor.rollout():
+            monkeypatch.setattr(actor.backend, "_resolve_compile", lambda graph: compile)
+            if compile:
+                with pytest.raises(RuntimeError, match="prefill exploded"):
+                    actor.generate(prompts[:3], MAX_NEW, greedy=True)
+                continue
+            with pytest.warns(RuntimeWarning, match="compile of the prefill failed"):
+                got = actor.generate(prompts[:3], MAX_NEW, greedy=True)
+            assert got == expected
+            stats = actor.backend.last_stats
+            assert stats["compile_error"] == "RuntimeError: prefill exploded" and stats["compiled"]
+            assert not stats["prefill_compiled"]
+    monkeypatch.setattr(rollout, "quantised", lambda m: True)
+    actor.backend = NativeRollout(model, cuda_graph=False, compile=True)
+    with actor.rollout():
+        actor.generate(prompts[:3], MAX_NEW, greedy=True)
+        assert actor.backend.last_stats["compiled"] and not actor.backend.last_stats["prefill_compiled"]
