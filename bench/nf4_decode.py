@@ -11,8 +11,9 @@ LORA_ROWS: the same linears with a LoRA adapter each (rank --lora-rank, fp32 A a
 delta added as peft adds it (A and B products in fp32, the sum rounded, then added) after bitsandbytes or after
 `auto`, and in the kernel's epilogue (nf4.matmul's `lora`) with u = x @ A^T and B in x's dtype (copies: what
 hybridcore/fused_decode.py does) or in fp32 (`_fp32`: what it did until 2026-12-07); their reference
-includes the delta. CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would start after --budget-s is
-skipped and listed as such, one that fails is a row with its error. Needs torch, triton and the bitsandbytes wheel
+includes the delta. CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would
+start after --budget-s is skipped and listed as such (the baselines and LoRA rows always run), one that fails is a
+row with its error. Needs torch, triton and the bitsandbytes wheel
 (carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
     python3 bench/nf4_decode.py [--batches 1 8 16 64] [--layers 32] [--lora-rank 16] [--budget-s 200] [--out DIR]
     python bench/nf4_decode.py --tiny   # CPU: Triton's interpreter, toy shapes, no graphs -- the script's own check
@@ -178,7 +179,7 @@ def run(a, weights, res: dict, graph: bool) -> None:
     todo += [(b, name) for b in a.batches if b in (8, 16) and a.lora_rank for name in LORA_ROWS]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
-        if name not in ("bnb", "bf16") and time.time() - t0 > a.budget_s:
+        if name not in ("bnb", "bf16", *LORA_ROWS) and time.time() - t0 > a.budget_s:
             res["skipped"].append(f"{name}@{b}")
             continue
         try:

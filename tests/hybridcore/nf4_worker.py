@@ -94,6 +94,20 @@ def lora_errors(nf4, torch, w, want) -> dict:
     return out
 
 
+def split_errors(nf4, torch) -> dict:
+    """Relative error of every kernel with K (10 quantisation blocks) split 5 and 10 ways: more splits than one turn
+    of the serial reduction's unrolled loads (4), the last turn not full."""
+    w, want = weight(N, 10 * 64, seed=6)
+    x = torch.randn(8, 10 * 64, generator=torch.Generator().manual_seed(7))
+    ref = x @ want.T
+    out = {}
+    for kernel in ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"):
+        for split in (5, 10):
+            got = nf4.matmul(x, w, kernel=kernel, block_k=64, split_k=split)
+            out[f"{kernel}-split{split}"] = float((got - ref).abs().max() / ref.abs().max())
+    return out
+
+
 def main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -120,6 +134,7 @@ def main() -> None:
         out["plain_err"][f"{name}-{m}"] = float((nf4.matmul(x, w, **KERNEL_CONFIGS[name]) - x @ want.T).abs().max()
                                                 / (x @ want.T).abs().max())
     out["lora_err"] = lora_errors(nf4, torch, w, want)
+    out["split_err"] = split_errors(nf4, torch)
     out["counters_zero"] = all(int(c.abs().sum()) == 0 for c in nf4._COUNTERS.values()) and bool(nf4._COUNTERS)
     w, whole = weight(64, 128, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))

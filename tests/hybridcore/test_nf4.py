@@ -55,6 +55,14 @@ def test_fused_matmul_adds_a_lora_delta(results, kernel, m, r, dtype, split):
     assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), err
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"])
+@pytest.mark.parametrize("split", [5, 10])
+def test_many_splits_meet_in_the_kernel(results, kernel, split):
+    """K split 5 and 10 ways: the last split's program adds every partial (its loads unrolled four a turn). fp32 x:
+    the sum's order only."""
+    assert 0 <= results["split_err"][f"{kernel}-split{split}"] <= 1e-5
+
+
 def test_split_counters_left_at_zero(results):
     """The in-kernel split reduction's counters are zero again after every call that used them."""
     assert results["counters_zero"] is True
