@@ -152,13 +152,14 @@ def errors(outs, xs, weights, lora: bool = False) -> float:
     return worst
 
 
-def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = False) -> dict:
-    """ms of one decode step (every linear once, each fed an input of its width) and the first layer's errors."""
+def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = False, check: int = 7) -> dict:
+    """ms of one decode step (every linear once, each fed an input of its width) and the errors of the first `check`
+    (the first layer's linears: those with an fp32 reference)."""
     gen = torch.Generator(device=weights[0]["dense"].device).manual_seed(batch)
     widths = {w["nf4"].shape[1] for w in weights}
     xs = {k: torch.randn(batch, k, device=gen.device, dtype=torch.bfloat16, generator=gen) for k in sorted(widths)}
     eager = [fn(xs[w["nf4"].shape[1]], w) for w in weights]  # also the warm-up: Triton compiles, bnb allocates
-    res = {"err_eager": errors(eager[:7], xs, weights, lora)}
+    res = {"err_eager": errors(eager[:check], xs, weights, lora)}
     if not graph:  # --tiny: wall clock of eager calls (the interpreter: a smoke figure, not a speed)
         start = time.perf_counter()
         [fn(xs[w["nf4"].shape[1]], w) for w in weights]
@@ -168,7 +169,8 @@ def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = F
     with torch.cuda.graph(g):
         outs = [fn(xs[w["nf4"].shape[1]], w) for w in weights]
     g.replay()  # warm
-    return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps), "err_graph": errors(outs[:7], xs, weights, lora)}
+    return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps),
+            "err_graph": errors(outs[:check], xs, weights, lora)}
 
 
 def run(a, weights, res: dict, graph: bool) -> None:
@@ -194,6 +196,27 @@ def run(a, weights, res: dict, graph: bool) -> None:
         res["steps"].setdefault(str(b), {})[name] = row
         save(res, path, t0)
     save(res, path, t0)  # the skipped configs too
+
+
+PER_PROJECTION = ("bf16", "auto", "auto+lora_epilogue")
+
+
+def per_projection(a, weights, res: dict, graph: bool, batch: int = 8) -> None:
+    """Each projection's linears alone (one per layer) in a graph, for PER_PROJECTION at `batch` rows: ms, us a call
+    and GB/s of its 4-bit bytes. Where a call's time hardly follows its bytes (k and v read a quarter of q's), the
+    fixed cost of a launch (ramp-up, the split reduction's tail) is what to cut, not the bandwidth of its loop."""
+    fns, out = methods(CONFIGS), {}
+    for method in PER_PROJECTION:
+        out[method] = {}
+        for proj in dict.fromkeys(w["name"] for w in weights):
+            mine = [w for w in weights if w["name"] == proj]
+            row = measure(fns[method], mine, batch, graph, lora=method in LORA_ROWS, check=1)
+            nbytes = sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in mine)
+            out[method][proj] = {"ms": row["ms"], "us_per_call": 1e3 * row["ms"] / len(mine),
+                                 "gb_per_s_4bit": nbytes / row["ms"] / 1e6, "err": row["err_eager"]}
+            print(f"batch {batch} {method:<20} {proj:<5} {out[method][proj]['us_per_call']:8.2f} us a call, "
+                  f"{out[method][proj]['gb_per_s_4bit']:7.1f} GB/s of 4-bit bytes", flush=True)
+    res["per_projection"] = {"batch": batch, **out}
 
 
 def save(res: dict, path: str, t0: float) -> None:
@@ -227,6 +250,9 @@ def main() -> None:
            "lora_rows": list(LORA_ROWS) if a.lora_rank else [], "lora_rank": a.lora_rank,
            "steps": {}, "skipped": []}
     run(a, weights, res, graph=not a.tiny)
+    if 8 in a.batches:
+        per_projection(a, weights, res, graph=not a.tiny)
+        save(res, os.path.join(a.out, "nf4_decode.json"), t0)
     for b, row in res["steps"].items():
         right = sorted((v["ms"], k) for k, v in row.items() if k not in ("bnb", "bf16", *LORA_ROWS) and v["ok"])
         best = f"best fused {right[0][1]} {right[0][0]:.3f} ms" if right else "no fused config right"

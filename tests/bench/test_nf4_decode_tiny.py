@@ -24,3 +24,9 @@ def test_tiny_run_checks_the_lora_rows(tmp_path):
     for name in ("bnb", *res["lora_rows"]):
         assert rows[name]["ok"] and 0 <= rows[name]["err_eager"] < 0.02 and rows[name]["ms"] > 0, (name, rows[name])
     assert res["skipped"]  # past --budget-s the configs are listed, not run
+    per = res["per_projection"]  # each projection's linears alone, for the dense, fused and fused + LoRA rows
+    for method in ("bf16", "auto", "auto+lora_epilogue"):
+        assert set(per[method]) == {"q", "k", "v", "o", "gate", "up", "down"}
+        assert all(r["us_per_call"] > 0 for r in per[method].values())
+        # against the dequantised weight: bf16 is the unquantised one (its error is NF4's rounding, not checked)
+        assert method == "bf16" or all(0 <= r["err"] < 0.02 for r in per[method].values()), per[method]
