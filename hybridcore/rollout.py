@@ -245,14 +245,18 @@ class _Decoder:
         except Exception as e:  # noqa: BLE001 -- any compiler failure; the plain step computes the same
             if required:
                 raise
-            first = str(e).strip().splitlines()
-            self.compile_error = f"{type(e).__name__}: {first[0] if first else ''}"
-            warnings.warn(f"native rollout: torch.compile of the decode step failed ({self.compile_error}); "
-                          "decoding with the uncompiled step", RuntimeWarning, stacklevel=3)
+            self._give_up(e, "the decode step", "decoding with the uncompiled step")
             self.step_fn = decode_step
             self.prefill_fn = prefill_chunk  # not tried: the same compiler on the same model
             self.cache.zero_()
         self.reset()
+
+    def _give_up(self, e: Exception, what: str, instead: str) -> None:
+        """An automatic compile failed: its first line in `compile_error`, and a warning saying what runs instead."""
+        first = str(e).strip().splitlines()
+        self.compile_error = f"{type(e).__name__}: {first[0] if first else ''}"
+        warnings.warn(f"native rollout: torch.compile of {what} failed ({self.compile_error}); {instead}",
+                      RuntimeWarning, stacklevel=4)
 
     @torch.no_grad()  # also when called outside generate (a profiler): a compiled step must not trace autograd
     def _forward(self) -> torch.Tensor:
@@ -300,10 +304,7 @@ class _Decoder:
             except Exception as e:  # noqa: BLE001 -- a compiler failure; the plain forward computes the same
                 if self.prefill_fn is prefill_chunk or self.required:
                     raise
-                first = str(e).strip().splitlines()
-                self.compile_error = f"{type(e).__name__}: {first[0] if first else ''}"
-                warnings.warn(f"native rollout: torch.compile of the prefill failed ({self.compile_error}); "
-                              "prefilling uncompiled", RuntimeWarning, stacklevel=3)
+                self._give_up(e, "the prefill", "prefilling uncompiled")
                 self.prefill_fn = prefill_chunk
                 logits = prefill_chunk(*args)
         return logits, len(starts)

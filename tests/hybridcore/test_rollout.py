@@ -112,15 +112,21 @@ def test_compiled_step_equals_generate(tok, prompts):
     assert any(r[-1] == tok.eos_token_id and len(r) < MAX_NEW for r in native)
 
 
-def test_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatch):
-    """compile=None (the CUDA default) survives a compiler failure: a warning, `compile_error` set, and the
-    plain step's tokens; compile=True raises it."""
+@pytest.mark.parametrize("what", ["decode step", "prefill"])
+def test_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatch, what):
+    """compile=None (the CUDA default) survives a compiler failure of the decode step or of the prefill: a warning,
+    `compile_error` set, and the plain forward's tokens (a failed prefill leaves the step compiled; a failed step
+    does not try the prefill); compile=True raises it."""
     model = build_preset("micro", tok, seed=0).float().eval()
     expected = run(model, tok, prompts[:3], "native", greedy=True)
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor exploded")
-    monkeypatch.setattr(rollout, "compiled_decode_step", lambda: broken)
+    if what == "prefill":
+        monkeypatch.setattr(rollout, "compiled_prefill_chunk", lambda: broken)
+        monkeypatch.setattr(rollout, "_compiled_step", torch.compile(rollout.decode_step, backend="eager"))
+    else:
+        monkeypatch.setattr(rollout, "compiled_decode_step", lambda: broken)
     for compile in (None, True):
         actor = HybridActor(model, tok)
         actor.backend = NativeRollout(model, cuda_graph=False, compile=compile)
@@ -130,11 +136,12 @@ def test_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatc
                 with pytest.raises(RuntimeError, match="inductor exploded"):
                     actor.generate(prompts[:3], MAX_NEW, greedy=True)
                 continue
-            with pytest.warns(RuntimeWarning, match="inductor exploded"):
+            with pytest.warns(RuntimeWarning, match=f"compile of the {what} failed"):
                 got = actor.generate(prompts[:3], MAX_NEW, greedy=True)
             assert got == expected
-            assert actor.backend.last_stats["compile_error"] == "RuntimeError: inductor exploded"
-            assert not actor.backend.last_stats["compiled"]
+            stats = actor.backend.last_stats
+            assert stats["compile_error"] == "RuntimeError: inductor exploded"
+            assert stats["compiled"] == (what == "prefill") and not stats["prefill_compiled"]
 
 
 def test_a_failed_automatic_compile_is_not_retried_every_rollout(tok, prompts, monkeypatch):
@@ -442,33 +449,12 @@ def test_the_prefill_compiles_once_for_prompts_of_several_lengths(tok, prompts, 
     assert compiles == {"prefill": 1, "step": 1}
 
 
-def test_a_prefill_compile_failure_falls_back_only_when_automatic(tok, prompts, monkeypatch):
-    """compile=None: a failed prefill compile warns, is recorded in `compile_error`, and the uncompiled prefill
-    gives the same tokens (the decode step stays compiled); compile=True raises it. A 4-bit model's prefill is
-    never compiled."""
+def test_a_4bit_models_prefill_is_not_compiled(tok, prompts, monkeypatch):
+    """bitsandbytes models keep the eager prefill (not timed compiled) where the decode step compiles."""
     model = gqa_model(tok, seed=1)
-    expected = run(model, tok, prompts[:3], "native", greedy=True)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("prefill exploded")
-    monkeypatch.setattr(rollout, "compiled_prefill_chunk", lambda: broken)
     monkeypatch.setattr(rollout, "_compiled_step", torch.compile(rollout.decode_step, backend="eager"))
-    for compile in (None, True):
-        actor = HybridActor(model, tok)
-        actor.backend = NativeRollout(model, cuda_graph=False, compile=compile)
-        with actor.rollout():
-            monkeypatch.setattr(actor.backend, "_resolve_compile", lambda graph: compile)
-            if compile:
-                with pytest.raises(RuntimeError, match="prefill exploded"):
-                    actor.generate(prompts[:3], MAX_NEW, greedy=True)
-                continue
-            with pytest.warns(RuntimeWarning, match="compile of the prefill failed"):
-                got = actor.generate(prompts[:3], MAX_NEW, greedy=True)
-            assert got == expected
-            stats = actor.backend.last_stats
-            assert stats["compile_error"] == "RuntimeError: prefill exploded" and stats["compiled"]
-            assert not stats["prefill_compiled"]
-    monkeypatch.setattr(rollout, "quantised", lambda m: True)
+    monkeypatch.setattr(rollout, "quantised", lambda m: m is model)
+    actor = HybridActor(model, tok)
     actor.backend = NativeRollout(model, cuda_graph=False, compile=True)
     with actor.rollout():
         actor.generate(prompts[:3], MAX_NEW, greedy=True)
