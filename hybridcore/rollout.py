@@ -209,11 +209,12 @@ class _Decoder:
     """The static state of one (batch size, capacity): KV cache, input/output buffers, the captured graph."""
 
     def __init__(self, model, batch: int, capacity: int, cuda_graph: bool, compile: bool | None,
-                 attention: str = "sdpa", prefill_tokens: int = PREFILL_TOKENS):
+                 attention: str = "sdpa", prefill_tokens: int = PREFILL_TOKENS, compile_prefill: bool = True):
         """compile: True compiles the step (an error if that fails); None compiles it but falls back to the
         plain step, with a warning and `compile_error` set, if compiling fails; False never compiles. The prefill
-        is compiled where the step is, but for bitsandbytes models (their prefill keeps its eager forward: not
-        timed compiled). attention: decode_step's, "sdpa" or "filled". prefill_tokens: see NativeRollout."""
+        is compiled where the step is (a failure under None: `prefill_error`, the eager prefill), but for
+        bitsandbytes models (their prefill keeps its eager forward: not timed compiled) or with compile_prefill
+        False. attention: decode_step's, "sdpa" or "filled". prefill_tokens: see NativeRollout."""
         p = next(model.parameters())
         self.model, self.batch, self.capacity, self.attention = model, batch, capacity, attention
         # prompt columns a prefill chunk: about prefill_tokens over the batch, at least capacity / PREFILL_CHUNKS
@@ -226,8 +227,10 @@ class _Decoder:
         self.column = torch.zeros(1, dtype=torch.long, device=p.device)  # cache column of the token fed
         self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=p.device)  # columns written so far
         self.step_fn = decode_step if compile is False else compiled_decode_step()
-        self.prefill_fn = prefill_chunk if compile is False or quantised(model) else compiled_prefill_chunk()
+        eager_prefill = compile is False or not compile_prefill or quantised(model)
+        self.prefill_fn = prefill_chunk if eager_prefill else compiled_prefill_chunk()
         self.compile_error: str | None = None
+        self.prefill_error: str | None = None
         self.graph = self.logits = None
         if compile is not False:
             self._compile(required=compile is True)
@@ -245,18 +248,20 @@ class _Decoder:
         except Exception as e:  # noqa: BLE001 -- any compiler failure; the plain step computes the same
             if required:
                 raise
-            self._give_up(e, "the decode step", "decoding with the uncompiled step")
+            self.compile_error = self._give_up(e, "the decode step", "decoding with the uncompiled step")
             self.step_fn = decode_step
             self.prefill_fn = prefill_chunk  # not tried: the same compiler on the same model
             self.cache.zero_()
         self.reset()
 
-    def _give_up(self, e: Exception, what: str, instead: str) -> None:
-        """An automatic compile failed: its first line in `compile_error`, and a warning saying what runs instead."""
+    @staticmethod
+    def _give_up(e: Exception, what: str, instead: str) -> str:
+        """An automatic compile failed: a warning saying what runs instead, and the error's first line."""
         first = str(e).strip().splitlines()
-        self.compile_error = f"{type(e).__name__}: {first[0] if first else ''}"
-        warnings.warn(f"native rollout: torch.compile of {what} failed ({self.compile_error}); {instead}",
-                      RuntimeWarning, stacklevel=4)
+        error = f"{type(e).__name__}: {first[0] if first else ''}"
+        warnings.warn(f"native rollout: torch.compile of {what} failed ({error}); {instead}", RuntimeWarning,
+                      stacklevel=4)
+        return error
 
     @torch.no_grad()  # also when called outside generate (a profiler): a compiled step must not trace autograd
     def _forward(self) -> torch.Tensor:
@@ -304,7 +309,7 @@ class _Decoder:
             except Exception as e:  # noqa: BLE001 -- a compiler failure; the plain forward computes the same
                 if self.prefill_fn is prefill_chunk or self.required:
                     raise
-                self._give_up(e, "the prefill", "prefilling uncompiled")
+                self.prefill_error = self._give_up(e, "the prefill", "prefilling uncompiled")
                 self.prefill_fn = prefill_chunk
                 logits = prefill_chunk(*args)
         return logits, len(starts)
@@ -349,6 +354,7 @@ class NativeRollout:
         self.capacity_multiple = capacity_multiple
         self._decoder: _Decoder | None = None
         self.compile_error: str | None = None  # the first automatic compile's failure (then the plain step)
+        self.prefill_error: str | None = None  # the prefill's (then the eager prefill, the step still compiled)
         self.attention_error: str | None = None  # why auto took sdpa where the kernel's self-check failed
         self._saved_attention = None
         self.last_stats: dict[str, float] = {}
@@ -415,7 +421,7 @@ class NativeRollout:
                 compile = False
             capacity = -(-length // self.capacity_multiple) * self.capacity_multiple
             self._decoder = d = _Decoder(self.model, batch, capacity, graph, compile, self._resolve_attention(device),
-                                         self.prefill_tokens)
+                                         self.prefill_tokens, compile_prefill=self.prefill_error is None)
             self.compile_error = self.compile_error or d.compile_error
         d.reset()
         return d
@@ -440,7 +446,7 @@ class NativeRollout:
         clock.mark()
         # autocast as training's forward (forward.py's mixed_precision); decode steps run without
         logits, chunks = d.prefill(ids, mask, compute_dtype(self.model))
-        self.compile_error = self.compile_error or d.compile_error
+        self.prefill_error = self.prefill_error or d.prefill_error  # the step's and the prefill's failures apart
         d.column.fill_(P)
         d.positions.copy_(mask.sum(1, keepdim=True))
         clock.mark()
@@ -466,7 +472,8 @@ class NativeRollout:
         self.last_stats = {"build_s": build_s, "prefill_s": prefill_s, "prefill_chunks": chunks,
                            "decode_s": decode_s, "steps": n,
                            "kv_cache_bytes": d.cache.nbytes, "cuda_graph": d.graph is not None,
-                           "compiled": d.compiled, "prefill_compiled": d.prefill_fn is not prefill_chunk, "compile_error": self.compile_error, "attention": d.attention}
+                           "compiled": d.compiled, "prefill_compiled": d.prefill_fn is not prefill_chunk,
+                           "compile_error": self.compile_error or self.prefill_error, "attention": d.attention}
         return out
 
 
