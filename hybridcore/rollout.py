@@ -288,7 +288,7 @@ class _Decoder:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, dtype) -> tuple[torch.Tensor, int]:
         """Write the left-padded prompt ids [B, P] (mask [B, P]) into the cache in chunks of `self.chunk` columns
         (prefill_starts): the logits [B, V] after its last token, and the number of chunks. A compiled prefill that
-        fails under compile=None warns, records `compile_error` and runs uncompiled (the chunk is simply redone).
+        fails under compile=None warns, records `prefill_error` and runs uncompiled (the chunk is simply redone).
         dtype: training's autocast (adapters.compute_dtype) or None."""
         B, P = ids.shape
         c = self.chunk
@@ -299,7 +299,8 @@ class _Decoder:
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, c - P + 1, device=ids.device)], 1)
         starts = prefill_starts(P, c)
         for s in starts:  # each chunk attends to the cache columns written so far and to its own
-            keep = torch.tensor([min(P, s + c) - 1 - s], device=ids.device)  # the prompt's last row (in the last chunk)
+            row = min(P, s + c) - 1 - s  # the prompt's last row, in the last chunk (a kernel, not a host copy)
+            keep = torch.arange(row, row + 1, device=ids.device)
             # contiguous: a slice's strides follow P, and torch.compile guards on strides (a recompile a length)
             args = (self.model, ids[:, s:s + c].contiguous(), chunk_mask(self.mask, s, c),
                     positions[:, s:s + c].contiguous(),
