@@ -131,10 +131,11 @@ def compiled_decode_step():
 
 
 def chunk_mask(written: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    """[B, 1, rows, capacity] bool for the prefill's queries at cache columns start .. start + rows - 1: each sees
-    the prompt's real tokens (`written` [B, capacity], the decoder's mask) at or before its own column, and itself,
-    so a padding query's softmax row is never empty (an empty row is NaN, and NaN keys would poison real rows
-    through 0 * NaN). Every cache column is a key, unwritten ones masked: one shape for every chunk."""
+    """[B, 1, rows, L] bool for the prefill's queries at cache columns start .. start + rows - 1 over the first L
+    columns (`written` [B, L], the decoder's mask): each sees the prompt's real tokens at or before its own column,
+    and itself, so a padding query's softmax row is never empty (an empty row is NaN, and NaN keys would poison real
+    rows through 0 * NaN). The compiled prefill passes every cache column (unwritten ones masked: one shape for
+    every chunk), the eager one the columns up to its chunk's end."""
     q = torch.arange(start, start + rows, device=written.device)[:, None]
     k = torch.arange(written.shape[1], device=written.device)[None, :]
     return (((k <= q)[None] & written[:, None, :]) | (k == q)[None])[:, None]
@@ -286,25 +287,30 @@ class _Decoder:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, dtype) -> tuple[torch.Tensor, int]:
-        """Write the left-padded prompt ids [B, P] (mask [B, P]) into the cache in chunks of `self.chunk` columns
-        (prefill_starts): the logits [B, V] after its last token, and the number of chunks. A compiled prefill that
-        fails under compile=None warns, records `prefill_error` and runs uncompiled (the chunk is simply redone).
-        dtype: training's autocast (adapters.compute_dtype) or None."""
+        """Write the left-padded prompt ids [B, P] (mask [B, P]) into the cache in chunks of `self.chunk` columns:
+        the logits [B, V] after its last token, and the number of chunks. Compiled, every chunk has one shape
+        (prefill_starts; keys: every cache column); eager, the chunks are back to back, the last one shorter, each
+        attending to the columns up to its end (no work past the prompt: on a CPU, or a small batch whose chunk
+        would be the whole cache). A compiled prefill that fails under compile=None warns, records `prefill_error`
+        and runs uncompiled (the chunk is simply redone). dtype: training's autocast (adapters.compute_dtype) or
+        None."""
         B, P = ids.shape
-        c = self.chunk
+        compiled = self.prefill_fn is not prefill_chunk
+        c = self.chunk if compiled else min(self.chunk, P)
         self.mask[:, :P] = mask.bool()
         positions = position_ids(mask)
         if P < c:  # one chunk reaching past the prompt: padding queries (token 0, positions going on) see themselves
             ids = F.pad(ids, (0, c - P))
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, c - P + 1, device=ids.device)], 1)
-        starts = prefill_starts(P, c)
+        starts = prefill_starts(P, c) if compiled else range(0, P, c)
         for s in starts:  # each chunk attends to the cache columns written so far and to its own
-            row = min(P, s + c) - 1 - s  # the prompt's last row, in the last chunk (a kernel, not a host copy)
-            keep = torch.arange(row, row + 1, device=ids.device)
+            end = min(s + c, ids.shape[1])
+            row = min(P, end) - 1 - s  # the prompt's last row, in the last chunk (a kernel, not a host copy)
+            keys = self.mask[:, :self.capacity if compiled else end]
             # contiguous: a slice's strides follow P, and torch.compile guards on strides (a recompile a length)
-            args = (self.model, ids[:, s:s + c].contiguous(), chunk_mask(self.mask, s, c),
-                    positions[:, s:s + c].contiguous(),
-                    torch.arange(s, s + c, device=ids.device), keep, self.cache.keys, self.cache.values, dtype)
+            args = (self.model, ids[:, s:end].contiguous(), chunk_mask(keys, s, end - s),
+                    positions[:, s:end].contiguous(), torch.arange(s, end, device=ids.device),
+                    torch.arange(row, row + 1, device=ids.device), self.cache.keys, self.cache.values, dtype)
             try:
                 logits = self.prefill_fn(*args)
             except Exception as e:  # noqa: BLE001 -- a compiler failure; the plain forward computes the same
