@@ -27,6 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from hybridcore import decode_attention
 from hybridcore.adapters import compute_dtype
 from hybridcore.batch import position_ids
+from hybridcore.quant import is_quantized
 from hybridcore.sampling import draw
 from hybridcore.tensor_parallel import head_shape, local_kv_heads, tp_state
 
@@ -177,11 +178,6 @@ def prefill_starts(prompt: int, chunk: int) -> list[int]:
     return list(range(0, prompt - chunk, chunk)) + [prompt - chunk]
 
 
-def quantised(model) -> bool:
-    """Whether any layer is bitsandbytes' (4- or 8-bit)."""
-    return any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
-
-
 # prompt tokens over the whole batch per prefill chunk. The whole KV cache is allocated first, so a chunk's
 # activations sit on top of it: at the Llama-3-8B shape, 4,096 tokens held 868 MiB there with float32 LoRA
 # inputs (bench/mem_trace.py, H100, 2026-12-06) and ~0.7 GiB under mixed_precision; 1,024 tokens ~0.2 GiB
@@ -228,7 +224,7 @@ class _Decoder:
         self.column = torch.zeros(1, dtype=torch.long, device=p.device)  # cache column of the token fed
         self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=p.device)  # columns written so far
         self.step_fn = decode_step if compile is False else compiled_decode_step()
-        eager_prefill = compile is False or not compile_prefill or quantised(model)
+        eager_prefill = compile is False or not compile_prefill or is_quantized(model)
         self.prefill_fn = prefill_chunk if eager_prefill else compiled_prefill_chunk()
         self.compile_error: str | None = None
         self.prefill_error: str | None = None

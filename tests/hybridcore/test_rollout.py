@@ -459,7 +459,7 @@ def test_a_4bit_models_prefill_is_not_compiled(tok, prompts, monkeypatch):
     """bitsandbytes models keep the eager prefill (not timed compiled) where the decode step compiles."""
     model = gqa_model(tok, seed=1)
     monkeypatch.setattr(rollout, "_compiled_step", torch.compile(rollout.decode_step, backend="eager"))
-    monkeypatch.setattr(rollout, "quantised", lambda m: m is model)
+    monkeypatch.setattr(rollout, "is_quantized", lambda m: m is model)
     actor = HybridActor(model, tok)
     actor.backend = NativeRollout(model, cuda_graph=False, compile=True)
     with actor.rollout():
