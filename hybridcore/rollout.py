@@ -143,7 +143,7 @@ def chunk_mask(written: torch.Tensor, start: int, rows: int) -> torch.Tensor:
 
 
 def prefill_chunk(model, ids, mask, positions, index, keep, keys, values, dtype) -> torch.Tensor:
-    """Feed prompt chunk `ids` [B, c] at cache columns `index` [c] through `mask` [B, 1, c, capacity]: the logits
+    """Feed prompt chunk `ids` [B, c] at cache columns `index` [c] through `mask` [B, 1, c, L]: the logits
     [B, V] at chunk row `keep` (a [1] tensor). dtype: the autocast of training's forward (adapters.mixed_precision)
     or None. Like decode_step a plain function of tensors whose shapes are fixed for one decoder, so torch.compile
     compiles it once per batch size and capacity (inductor fuses the norms, rotary, activations and cache writes
@@ -230,7 +230,7 @@ class _Decoder:
         self.prefill_error: str | None = None
         self.graph = self.logits = None
         if compile is not False:
-            self._compile(required=compile is True)
+            self._compile()
         if cuda_graph:
             self._capture()
 
@@ -238,12 +238,12 @@ class _Decoder:
     def compiled(self) -> bool:
         return self.step_fn is not decode_step
 
-    def _compile(self, required: bool) -> None:
+    def _compile(self) -> None:
         """Run the compiled step once (the compile happens here, outside any graph capture), then reset."""
         try:
             self._forward()
         except Exception as e:  # noqa: BLE001 -- any compiler failure; the plain step computes the same
-            if required:
+            if self.required:
                 raise
             self.compile_error = self._give_up(e, "the decode step", "decoding with the uncompiled step")
             self.step_fn = decode_step
