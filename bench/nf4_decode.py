@@ -198,6 +198,11 @@ def run(a, weights, res: dict, graph: bool) -> None:
     save(res, path, t0)  # the skipped configs too
 
 
+def int4_bytes(weights) -> int:
+    """What a decode step reads of these 4-bit weights: the packed bytes and their absmax."""
+    return sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in weights)
+
+
 PER_PROJECTION = ("bf16", "auto", "auto+lora_epilogue")
 
 
@@ -211,7 +216,7 @@ def per_projection(a, weights, res: dict, graph: bool, batch: int = 8) -> None:
         for proj in dict.fromkeys(w["name"] for w in weights):
             mine = [w for w in weights if w["name"] == proj]
             row = measure(fns[method], mine, batch, graph, lora=method in LORA_ROWS, check=1)
-            nbytes = sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in mine)
+            nbytes = int4_bytes(mine)
             out[method][proj] = {"ms": row["ms"], "us_per_call": 1e3 * row["ms"] / len(mine),
                                  "gb_per_s_4bit": nbytes / row["ms"] / 1e6, "err": row["err_eager"]}
             print(f"batch {batch} {method:<20} {proj:<5} {out[method][proj]['us_per_call']:8.2f} us a call, "
@@ -244,7 +249,7 @@ def main() -> None:
     import triton
     res = {"gpu": "cpu (interpreter)" if a.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "layers": a.layers, "tiny": a.tiny,
-           "int4_bytes": sum(w["packed"].numel() + w["nf4"].absmax.nbytes for w in weights),
+           "int4_bytes": int4_bytes(weights),
            "defaults": {"GEMV_MAX_M": nf4.GEMV_MAX_M, "DEFAULTS": nf4.DEFAULTS, "SPLIT_TARGET": nf4.SPLIT_TARGET},
            "configs": {name: {"kwargs": kwargs, "batches": list(batches)} for name, kwargs, batches in CONFIGS},
            "lora_rows": list(LORA_ROWS) if a.lora_rank else [], "lora_rank": a.lora_rank,
