@@ -7,7 +7,10 @@ Each row is a NativeRollout (its default chunks: one shape per batch size and ca
 steps of a cache sized for 256 new tokens (bench/rollout.py's workload), so the prefill is the call's work; the
 first call compiles, the median of the next `--repeats` calls' prefill_s (CUDA events) is the figure. Rows: eager
 (compile=False: the prefill as every release before this one ran it) and compiled (compile=None: the default
-under a CUDA graph). The first greedy token of each row is compared with the eager row's.
+under a CUDA graph). The first greedy token of each row is compared with the eager row's, and so is its
+log-probability (the model's own softmax): random bf16 weights give near-flat logits, where rounding alone can swap
+the top two tokens, so `first_token_agreement` below 1 with `first_logprob_max_diff` at bf16's noise (hundredths of
+a nat) is two near-ties, while a prefill that saw the wrong keys would move the log-probabilities of every row.
 """
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ from bench.rollout import PAD, build, prompts  # noqa: E402
 from hybridcore.rollout import NativeRollout  # noqa: E402
 
 
-def run_row(model, ids, mask, new: int, repeats: int, compile: bool | None) -> tuple[dict, torch.Tensor]:
+def run_row(model, ids, mask, new: int, repeats: int, compile: bool | None) -> tuple[dict, tuple[torch.Tensor, ...]]:
     backend = NativeRollout(model, compile=compile)
     backend.enter()
     try:
         t0 = time.perf_counter()
         first = backend.generate(ids, mask, new, eos_id=None, pad_id=PAD, greedy=True, steps=2)
+        first_lp = backend.last_logprobs[:, 0].float().cpu()
         first_s = time.perf_counter() - t0
         times = []
         for _ in range(repeats):
@@ -42,7 +46,7 @@ def run_row(model, ids, mask, new: int, repeats: int, compile: bool | None) -> t
         row = {"compile": compile, "prefill_compiled": st["prefill_compiled"], "compiled_step": st["compiled"],
                "compile_error": st["compile_error"], "chunks": st["prefill_chunks"], "first_call_s": first_s,
                "prefill_s": statistics.median(times), "prefill_s_all": times}
-        return row, first[:, 0].cpu()
+        return row, (first[:, 0].cpu(), first_lp)
     finally:
         backend.exit()
 
@@ -68,7 +72,9 @@ def main() -> int:
     tokens = {}
     for name, compile in (("eager", False), ("compiled", None if device.type == "cuda" else True)):
         res["rows"][name], tokens[name] = run_row(model, ids, mask, new, a.repeats, compile)
-        res["rows"][name]["first_token_agreement"] = float((tokens[name] == tokens["eager"]).float().mean())
+        (tok, lp), (tok0, lp0) = tokens[name], tokens["eager"]
+        res["rows"][name]["first_token_agreement"] = float((tok == tok0).float().mean())
+        res["rows"][name]["first_logprob_max_diff"] = float((lp - lp0).abs().max())
         print(name, json.dumps(res["rows"][name]), flush=True)
     res["speedup"] = res["rows"]["eager"]["prefill_s"] / res["rows"]["compiled"]["prefill_s"]
     a.out.mkdir(parents=True, exist_ok=True)
