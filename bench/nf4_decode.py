@@ -11,7 +11,8 @@ LORA_ROWS: the same linears with a LoRA adapter each (rank --lora-rank, fp32 A a
 delta added as peft adds it (A and B products in fp32, the sum rounded, then added) after bitsandbytes or after
 `auto`, and in the kernel's epilogue (nf4.matmul's `lora`) with u = x @ A^T and B in x's dtype (copies: what
 hybridcore/fused_decode.py does) or in fp32 (`_fp32`: what it did until 2026-12-07); their reference
-includes the delta. CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would
+includes the delta. GROUPED: the linears that take one input (q/k/v, gate/up) in one nf4.group_matmul launch, as
+the rollout runs them, with and without the LoRA epilogue (its A products one a group). CONFIGS: named nf4.matmul arguments and the batches each is timed at; a config that would
 start after --budget-s is skipped and listed as such (the baselines and LoRA rows always run), one that fails is a
 row with its error. Needs torch, triton and the bitsandbytes wheel
 (carried). Writes nf4_decode.json into --out (default $OUT, else the system's temp folder), again after every row.
@@ -34,8 +35,9 @@ from hybridcore import nf4  # noqa: E402
 HIDDEN, INTER, KV = 4096, 14336, 1024  # Llama-3-8B
 SHAPES = {"q": (HIDDEN, HIDDEN), "k": (KV, HIDDEN), "v": (KV, HIDDEN), "o": (HIDDEN, HIDDEN),
           "gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
-TINY = {"q": (77, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate": (45, 128), "up": (45, 128),
-        "down": (128, 320)}  # --tiny: odd N, a K (320) not a multiple of 128 or 256
+TINY = {"q": (80, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate": (48, 128), "up": (45, 128),
+        "down": (128, 320)}  # --tiny: N of whole tiles of 16 where a group needs them, odd N, a K (320) not a
+# multiple of 128 or 256
 # (name, nf4.matmul arguments, batches), most telling first (a tight --budget-s drops the tail): unset arguments
 # are nf4.DEFAULTS[kernel] (gemv 128 rows x 64 columns a step, 4 warps, no pipelining; dot 64 x 256, 4 warps,
 # no pipelining), split_k "auto", reduce "serial", lookup "table", block_m the batch (gemv at most 8 rows a program,
@@ -94,7 +96,34 @@ CONFIGS = [
 ]
 
 
-LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32")  # at 8 and 16 rows
+LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32",
+             "grouped+lora_epilogue")  # at 8 and 16 rows
+# rows whose linears that take one input run as one nf4.group_matmul (hybridcore/fused_decode.py's PACKED): q/k/v,
+# o, gate/up, down, 4 launches a layer instead of 7; with LoRA, u = x @ A^T one product a group (its SharedInput)
+GROUPED = {"grouped": False, "grouped+lora_epilogue": True}
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+
+
+def grouped_step(weights: list, lora: bool):
+    """xs (by width) -> the outputs of `weights` (layer after layer in SHAPES order) as GROUPED rows compute them:
+    one group_matmul a group, its output sliced back into the members' (views)."""
+    groups = []
+    for start in range(0, len(weights), len(SHAPES)):
+        layer = {w["name"]: w for w in weights[start:start + len(SHAPES)]}
+        groups += [[layer[name] for name in names] for names in GROUPS]
+    stacks = [torch.cat([w["lora_a_x"] for w in members]) for members in groups]
+
+    def step(xs: dict) -> list:
+        outs = []
+        for members, stack in zip(groups, stacks):
+            x, loras = xs[members[0]["nf4"].shape[1]], None
+            if lora:
+                u, r = torch.nn.functional.linear(x, stack), members[0]["lora_a_x"].shape[0]
+                loras = [(u[:, i * r:(i + 1) * r], w["lora_b_x"], w["scale"]) for i, w in enumerate(members)]
+            y = nf4.group_matmul(x, [w["nf4"] for w in members], loras=loras)
+            outs += list(y.split([w["nf4"].shape[0] for w in members], dim=-1))
+        return outs
+    return step
 
 
 def build(layers: int, shapes: dict, device: str, rank: int = 16):
@@ -152,22 +181,25 @@ def errors(outs, xs, weights, lora: bool = False) -> float:
     return worst
 
 
-def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = False, check: int = 7) -> dict:
-    """ms of one decode step (every linear once, each fed an input of its width) and the errors of the first `check`
-    (the first layer's linears: those with an fp32 reference)."""
+def measure(fn, weights, batch: int, graph: bool, reps: int = 20, lora: bool = False, check: int = 7,
+            step=None) -> dict:
+    """ms of one decode step (every linear once, each fed an input of its width: fn(x, weight), or step(xs by
+    width) -> every output) and the errors of the first `check` (the first layer's linears: those with an fp32
+    reference)."""
     gen = torch.Generator(device=weights[0]["dense"].device).manual_seed(batch)
     widths = {w["nf4"].shape[1] for w in weights}
     xs = {k: torch.randn(batch, k, device=gen.device, dtype=torch.bfloat16, generator=gen) for k in sorted(widths)}
-    eager = [fn(xs[w["nf4"].shape[1]], w) for w in weights]  # also the warm-up: Triton compiles, bnb allocates
+    step = step or (lambda xs: [fn(xs[w["nf4"].shape[1]], w) for w in weights])
+    eager = step(xs)  # also the warm-up: Triton compiles, bnb allocates
     res = {"err_eager": errors(eager[:check], xs, weights, lora)}
     if not graph:  # --tiny: wall clock of eager calls (the interpreter: a smoke figure, not a speed)
         start = time.perf_counter()
-        [fn(xs[w["nf4"].shape[1]], w) for w in weights]
+        step(xs)
         return {**res, "ms": (time.perf_counter() - start) * 1e3}
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = [fn(xs[w["nf4"].shape[1]], w) for w in weights]
+        outs = step(xs)
     g.replay()  # warm
     return {**res, "ms": timed_ms(g.replay, torch.device("cuda"), reps),
             "err_graph": errors(outs[:check], xs, weights, lora)}
@@ -179,13 +211,15 @@ def run(a, weights, res: dict, graph: bool) -> None:
     t0, fns, path = time.time(), methods(CONFIGS), os.path.join(a.out, "nf4_decode.json")
     todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
     todo += [(b, name) for b in a.batches if b in (8, 16) and a.lora_rank for name in LORA_ROWS]
+    todo += [(b, "grouped") for b in a.batches if b in (8, 16)]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
-        if name not in ("bnb", "bf16", *LORA_ROWS) and time.time() - t0 > a.budget_s:
+        if name not in ("bnb", "bf16", *LORA_ROWS, *GROUPED) and time.time() - t0 > a.budget_s:
             res["skipped"].append(f"{name}@{b}")
             continue
         try:
-            row = measure(fns[name], weights, b, graph, lora=name in LORA_ROWS)
+            step = grouped_step(weights, GROUPED[name]) if name in GROUPED else None
+            row = measure(fns.get(name), weights, b, graph, lora=name in LORA_ROWS, step=step)
             row["ok"] = name == "bf16" or max(row["err_eager"], row.get("err_graph", 0.0)) < 0.02
             row["gb_per_s"] = res["int4_bytes"] / row["ms"] / 1e6  # NF4 bytes (+ absmax) over the step's time
             print(f"batch {b:>3} {name:<14} {row['ms']:9.3f} ms  err {row['err_eager']:.4f}"

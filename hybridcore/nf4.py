@@ -122,18 +122,39 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     lora: (u [..., R], lora_b [N, R], scale fp32 [1]) adds (u @ lora_b^T) * scale to the product, u being x @ lora_a^T
     (a LoRA adapter's first product, computed by the caller), in fp32 before the result is rounded to x's dtype:
     inside the kernel for pair_dot and nibble_dot (the first split of each tile adds it), in torch after the others."""
+    return group_matmul(x, [w], kernel, block_n, block_k, block_m, vec, split_k, reduce, num_warps, num_stages, lookup,
+                        None if lora is None else [lora])
+
+
+def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None = None, block_n: int | None = None,
+                 block_k: int | None = None, block_m: int | None = None, vec: int | None = None,
+                 split_k: int | str = "auto", reduce: str = "serial", num_warps: int | None = None,
+                 num_stages: int | None = None, lookup: str = "table",
+                 loras: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """x [..., K] @ [W_0; W_1; ...]^T -> [..., N_0 + N_1 + ...]: matmul of up to MAX_GROUP weights that take the
+    same x (an attention's q/k/v, an MLP's gate/up), their outputs side by side, with one (u, lora_b, scale) `loras`
+    entry each or none. One launch for all of them where the kernel is a LUT kernel and every member but the last
+    has whole tiles of rows (block_n, unless given, is then the largest power of two up to its default, and at
+    least 16, that divides those members' rows): a launch costs ~7 us beyond its bytes on an H100 (bench/RESULTS.md
+    2026-12-07 13:23). Otherwise each member is a launch of its own, their outputs concatenated."""
     import triton
 
-    n, k = w.shape
+    n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
     m = x.reshape(-1, x.shape[-1]).shape[0]
     kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "nibble_dot" if m <= NIBBLE_DOT_MAX_M else "dot")
-    given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    given = dict(block_n=block_n or _group_rows(weights, kernel), block_k=block_k, num_warps=num_warps,
+                 num_stages=num_stages)
     cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
     bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64
     cfg.update(block_m=bm, vec=vec or (16 if bm <= 4 else 8), split_k=split_k, reduce=reduce, lookup=lookup)
-    _check(x, w, kernel, cfg)
-    if lora is not None:
-        _check_lora(x, w, *lora)
+    loras = loras or [None] * len(weights)
+    for w, lora in zip(weights, loras):
+        _check(x, w, kernel, cfg)
+        if lora is not None:
+            _check_lora(x, w, *lora)
+    if len(weights) > 1 and not _one_launch(weights, kernel, cfg["block_n"], loras):
+        return torch.cat([matmul(x, w, kernel, block_n, block_k, block_m, vec, split_k, reduce, num_warps, num_stages,
+                                 lookup, lora) for w, lora in zip(weights, loras)], dim=-1)
     lead, x2, bn, bk = x.shape[:-1], x.reshape(-1, k).contiguous(), cfg["block_n"], cfg["block_k"]
     if m == 0:
         return x.new_empty(*lead, n)
@@ -146,20 +167,70 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
                                                     device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if mode == 2 else y
     count = _counters(x.device, tiles) if mode == 2 else y
-    fn = _kernel(kernel)
+    fn, w = _kernel(kernel), weights[0]
     upcast = type(fn).__name__ == "InterpretedFunction"  # see nf4_dot's UPCAST
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
-        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32, **_lora_arguments(lora))
-    outer = (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)  # unread when not nested
+        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32, **_lora_arguments(loras[0]),
+                     **_member_arguments(weights, loras, bn))
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x2, w.packed, w.absmax, *outer, w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
+        x2, w.packed, w.absmax, *_outer(w), w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
         per * bk // 2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, QBLOCK=w.blocksize, NESTED=w.nested, BLOCK2=w.blocksize2,
         REDUCE=mode, SELECT=lookup == "select", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
-    if lora is not None and kernel not in LUT_KERNELS:  # their epilogue has added it
-        y = y.float() + (lora[0].reshape(m, -1).float() @ lora[1].float().T) * lora[2]
+    if loras[0] is not None and kernel not in LUT_KERNELS:  # their epilogue has added it
+        u, lora_b, scale = loras[0]
+        y = y.float() + (u.reshape(m, -1).float() @ lora_b.float().T) * scale
     return y.to(x.dtype).reshape(*lead, n)
+
+
+MAX_GROUP = 3  # members of one group_matmul launch (nf4_lut_dot's GROUP)
+
+
+def _outer(w: NF4Weight) -> tuple:
+    """The second level of a double-quantised absmax (absmax2, code2, offset); unread placeholders when plain."""
+    return (w.absmax2, w.code2, w.offset) if w.nested else (w.absmax, w.code, w.absmax)
+
+
+def _group_rows(weights: list[NF4Weight], kernel: str) -> int | None:
+    """group_matmul's block_n for several weights: the largest power of two up to the kernel's default that divides
+    the rows of every member but the last (None: the default; the launch is then split per member)."""
+    if len(weights) == 1 or kernel not in LUT_KERNELS:
+        return None
+    bn = DEFAULTS[kernel]["block_n"]
+    while bn > 16 and any(w.shape[0] % bn for w in weights[:-1]):
+        bn //= 2
+    return bn
+
+
+def _one_launch(weights: list[NF4Weight], kernel: str, block_n: int, loras: list) -> bool:
+    """Whether group_matmul's members can share one nf4_lut_dot launch (see its docstring)."""
+    w0, lora0 = weights[0], loras[0]
+    same = all(w.shape[1] == w0.shape[1] and w.blocksize == w0.blocksize and w.nested == w0.nested
+               and w.blocksize2 == w0.blocksize2 and w.code.dtype == w0.code.dtype for w in weights)
+    ranks = {None if lora is None else (lora[0].shape[-1], lora[0].reshape(-1, lora[0].shape[-1]).stride(0),
+                                         lora[0].dtype) for lora in loras}
+    return (kernel in LUT_KERNELS and len(weights) <= MAX_GROUP and same and len(ranks) == 1
+            and all(w.shape[0] % block_n == 0 for w in weights[:-1]))
+
+
+def _member_arguments(weights: list[NF4Weight], loras: list, block_n: int) -> dict:
+    """nf4_lut_dot's GROUP arguments: the first tile of the second and third member (T1, T2; T2 past every tile for
+    two members) and their tensors (suffix 1 and 2; the second member's again for a missing third)."""
+    if len(weights) == 1:
+        return {}
+    t1 = weights[0].shape[0] // block_n
+    t2 = t1 + weights[1].shape[0] // block_n if len(weights) == 3 else 2 ** 30
+    out = dict(GROUP=len(weights), T1=t1, T2=t2)
+    for i in (1, 2):
+        w, lora = weights[min(i, len(weights) - 1)], loras[min(i, len(weights) - 1)]
+        absmax2, code2, offset = _outer(w)
+        out.update({f"w_ptr{i}": w.packed, f"absmax_ptr{i}": w.absmax, f"absmax2_ptr{i}": absmax2,
+                    f"code2_ptr{i}": code2, f"offset_ptr{i}": offset})
+        if lora is not None:
+            lo = _lora_arguments(lora)
+            out.update({f"{key}{i}": lo[key] for key in ("u_ptr", "lora_b_ptr", "scale_ptr")})
+    return out
 
 
 def _check(x, w, kernel, cfg) -> None:

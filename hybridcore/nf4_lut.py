@@ -67,23 +67,14 @@ def _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD:
     return tl.dot(b.to(tl.float32), u.to(tl.float32), input_precision="ieee") * tl.load(scale_ptr)
 
 
-@triton.jit(do_not_specialize=["M"])
-def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr,
-                M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
-                REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                PAIRS: tl.constexpr, u_ptr=None, lora_b_ptr=None, scale_ptr=None, R=0, stride_um=0,
-                LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16):
-    """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
-    step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
-    the MMA's wide operand, as in nf4_dot. Each step's global loads are issued one step ahead (in registers), so
-    that a program has the next block's bytes in flight while it looks up and multiplies this one. PAIRS: the
-    256-entry pair table (16-bit x only; fp32 x takes the 16-entry one). LORA: the first split of each tile also
-    adds a LoRA delta, (lora_b [N, R] @ u^T [R, M]) * scale, u = x @ lora_a^T computed by the caller, in fp32
-    before the splits meet: the adapter's B product and its add are no launches of their own."""
-    HB: tl.constexpr = QBLOCK // 2
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn, rm, M, N, stride_xm,
+              ROW_BYTES, PER_SPLIT, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA: tl.constexpr,
+              R_PAD: tl.constexpr):
+    """nf4_lut_dot's product for weight rows rn (rows at or past N are none) and x rows rm over this program's split
+    of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet."""
     start = tl.program_id(2) * PER_SPLIT
     end = tl.minimum(start + PER_SPLIT, ROW_BYTES)
     dtype = x_ptr.dtype.element_ty
@@ -107,4 +98,57 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
     if LORA:
         if tl.program_id(2) == 0:
             acc += _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD)
+    return acc
+
+
+@triton.jit
+def _pick(m, first, second, third):
+    """The member-m one of three values of one type (a scalar branch: Triton yields the value out of the if)."""
+    value = first
+    if m == 1:
+        value = second
+    if m == 2:
+        value = third
+    return value
+
+
+@triton.jit(do_not_specialize=["M"])
+def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, y_ptr, part_ptr, count_ptr,
+                M, N, stride_xm, stride_ym, ROW_BYTES, PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                REDUCE: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                PAIRS: tl.constexpr, u_ptr=None, lora_b_ptr=None, scale_ptr=None, R=0, stride_um=0,
+                LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16, GROUP: tl.constexpr = 1, T1=0, T2=0,
+                w_ptr1=None, absmax_ptr1=None, absmax2_ptr1=None, code2_ptr1=None, offset_ptr1=None, u_ptr1=None,
+                lora_b_ptr1=None, scale_ptr1=None, w_ptr2=None, absmax_ptr2=None, absmax2_ptr2=None,
+                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None):
+    """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
+    step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
+    the MMA's wide operand, as in nf4_dot. Each step's global loads are issued one step ahead (in registers), so
+    that a program has the next block's bytes in flight while it looks up and multiplies this one. PAIRS: the
+    256-entry pair table (16-bit x only; fp32 x takes the 16-entry one). LORA: the first split of each tile also
+    adds a LoRA delta, (lora_b [N, R] @ u^T [R, M]) * scale, u = x @ lora_a^T computed by the caller, in fp32
+    before the splits meet: the adapter's B product and its add are no launches of their own.
+    GROUP (2 or 3): up to three weights that take the same x in one launch (q/k/v, gate/up), their outputs side by
+    side in y (N their rows together): tiles from T1 (and T2) on are the second (third) member's, whose tensors are
+    the arguments ending in 1 (2); every member but the last has whole tiles of rows, so a tile is one member's and
+    y's columns are the tiles' own. The members share x, the NF4 code and LoRA's rank and u's row stride."""
+    HB: tl.constexpr = QBLOCK // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUP > 1:  # the member's tensors; its weight rows are rn - first (rn itself indexes y's columns)
+        m = (tl.program_id(0) >= T1).to(tl.int32) + (tl.program_id(0) >= T2).to(tl.int32)
+        first = tl.where(m == 2, T2, tl.where(m == 1, T1, 0)) * BLOCK_N
+        w_ptr, absmax_ptr = _pick(m, w_ptr, w_ptr1, w_ptr2), _pick(m, absmax_ptr, absmax_ptr1, absmax_ptr2)
+        absmax2_ptr, code2_ptr = (_pick(m, absmax2_ptr, absmax2_ptr1, absmax2_ptr2),
+                                  _pick(m, code2_ptr, code2_ptr1, code2_ptr2))
+        offset_ptr = _pick(m, offset_ptr, offset_ptr1, offset_ptr2)
+        if LORA:
+            u_ptr, lora_b_ptr = _pick(m, u_ptr, u_ptr1, u_ptr2), _pick(m, lora_b_ptr, lora_b_ptr1, lora_b_ptr2)
+            scale_ptr = _pick(m, scale_ptr, scale_ptr1, scale_ptr2)
+    else:
+        first = 0
+    acc = _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn - first, rm, M,
+                    N - first, stride_xm, ROW_BYTES, PER_SPLIT, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
+                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)

@@ -88,14 +88,15 @@ def main() -> None:
     model, tok = model_and_tokenizer()
     across = compiles_across_rollouts(model)  # before the counting wrappers below: dynamo guards on their counters
     prompts = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(TEXTS[:3])]
-    calls = {"rows": [], "lora": 0}
-    plain_matmul = nf4.matmul
+    calls = {"rows": [], "members": [], "lora": 0}
+    plain_matmul = nf4.group_matmul
 
-    def counted(x, w, *args, **kwargs):
+    def counted(x, weights, *args, **kwargs):
         calls["rows"].append(x.numel() // x.shape[-1])
-        calls["lora"] += kwargs.get("lora") is not None
-        return plain_matmul(x, w, *args, **kwargs)
-    nf4.matmul = counted
+        calls["members"].append(len(weights))
+        calls["lora"] += len(kwargs.get("loras") or [])
+        return plain_matmul(x, weights, *args, **kwargs)
+    nf4.group_matmul = counted
     shared = {"calls": 0, "products": 0}  # the grouped LoRA A products (fused_decode.SharedInput)
     plain_product = fused_decode.SharedInput.product
 
@@ -111,7 +112,9 @@ def main() -> None:
             out[str(fused)] = actor.generate(prompts, 6, greedy=True)
             out[f"logp_{fused}"] = actor.last_logprobs
         out["restored"] = not any("forward" in vars(m) or m._forward_pre_hooks for m in model.modules())
-    out["fused_calls"], out["lora_calls"] = len(calls["rows"]), calls["lora"]
+    out["fused_calls"], out["fused_linears"], out["lora_calls"] = len(calls["rows"]), sum(calls["members"]), \
+        calls["lora"]
+    out["members"] = sorted(set(calls["members"]))
     out["shared_calls"], out["shared_products"] = shared["calls"], shared["products"]
     out["fused_rows"] = sorted(set(calls["rows"]))
     for fused in (False, True):  # one prompt: its decode steps are one row, which bitsandbytes' gemv takes

@@ -108,6 +108,50 @@ def split_errors(nf4, torch) -> dict:
     return out
 
 
+# (kernel, rows, each member's output rows, double-quantised absmax, LoRA rank or 0, x's dtype, split_k):
+# group_matmul in one launch (three or two members; the last one's rows a partial tile; block_n shrunk to 32 to
+# divide 64 and 32; K of 6 quantisation blocks, split in two where asked) or, where it cannot, one launch a member
+# (a dot kernel; 37 rows: no whole tiles of 16)
+GROUPS = (("nibble_dot", 8, (64, 32, 48), True, 8, "float32", "auto"), ("nibble_dot", 3, (64, 64, 64), True, 16,
+          "bfloat16", 2), ("pair_dot", 16, (128, 96), False, 0, "float32", 2), ("nibble_dot", 8, (32, 40), False, 5,
+          "float32", 1), ("dot", 32, (64, 32, 48), True, 8, "float32", "auto"), ("nibble_dot", 8, (37, 64), True, 8,
+          "float32", "auto"))
+
+
+def group_errors(nf4, torch) -> dict:
+    """For each GROUPS case: (relative error of group_matmul against the members' dequantised weights and LoRA deltas
+    side by side, kernel launches it made)."""
+    launches, kernel_of = [], nf4._kernel
+
+    def launch(self, grid):
+        launches.append(grid)
+        return self.fn[grid]
+    # named as the interpreter's kernels are: matmul tells them by their type's name (UPCAST for bf16 dots)
+    counted = type("InterpretedFunction", (), {"__init__": lambda self, fn: setattr(self, "fn", fn),
+                                               "__getitem__": launch})
+    nf4._kernel = lambda name: counted(kernel_of(name))
+    out = {}
+    try:
+        for i, (kernel, m, rows, nested, r, dtype, split) in enumerate(GROUPS):
+            g = torch.Generator().manual_seed(300 + i)
+            members = [weight(n, 384, seed=40 + i * 3 + j, nested=nested) for j, n in enumerate(rows)]
+            x = torch.randn(m, 384, generator=g).to(getattr(torch, dtype))
+            ref = x.float() @ torch.cat([want for _, want in members]).T
+            loras = None
+            if r:
+                u = torch.randn(m, r * len(rows), generator=g).to(x.dtype)  # one product for all, sliced
+                loras = [(u[:, j * r:(j + 1) * r], torch.randn(n, r, generator=g).to(x.dtype),
+                          torch.tensor([0.5 + j], dtype=torch.float32)) for j, n in enumerate(rows)]
+                ref += torch.cat([(lu.float() @ b.float().T) * s for lu, b, s in loras], dim=1)
+            launches.clear()
+            got = nf4.group_matmul(x, [w for w, _ in members], kernel=kernel, split_k=split, loras=loras)
+            ok = got.shape == (m, sum(rows)) and got.dtype == x.dtype
+            out[str(i)] = (float((got.float() - ref).abs().max() / ref.abs().max()) if ok else -1, len(launches))
+    finally:
+        nf4._kernel = kernel_of
+    return out
+
+
 def main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -135,6 +179,7 @@ def main() -> None:
                                                 / (x @ want.T).abs().max())
     out["lora_err"] = lora_errors(nf4, torch, w, want)
     out["split_err"] = split_errors(nf4, torch)
+    out["group"] = group_errors(nf4, torch)
     out["counters_zero"] = all(int(c.abs().sum()) == 0 for c in nf4._COUNTERS.values()) and bool(nf4._COUNTERS)
     w, whole = weight(64, 128, seed=3)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(4))

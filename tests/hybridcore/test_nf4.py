@@ -8,7 +8,7 @@ import pytest
 
 from tests.hybridcore.interpreted import run_interpreted
 
-from tests.hybridcore.nf4_worker import CASES, KERNEL_CONFIGS, LORA, PLAIN
+from tests.hybridcore.nf4_worker import CASES, GROUPS, KERNEL_CONFIGS, LORA, PLAIN
 
 WORKER = Path(__file__).with_name("nf4_worker.py")
 
@@ -61,6 +61,19 @@ def test_many_splits_meet_in_the_kernel(results, kernel, split):
     """K split 5 and 10 ways: the last split's program adds every partial (its loads unrolled four a turn). fp32 x:
     the sum's order only."""
     assert 0 <= results["split_err"][f"{kernel}-split{split}"] <= 1e-5
+
+
+@pytest.mark.parametrize("case", range(len(GROUPS)), ids=[f"{g[0]}-{g[1]}-{g[2]}" for g in GROUPS])
+def test_weights_sharing_an_input_in_one_launch(results, case):
+    """group_matmul equals each member's x @ W^T (+ its LoRA delta, u sliced out of one product) side by side: in one
+    launch for the LUT kernels (three members or two, a partial last tile, block_n shrunk to divide the members'
+    rows, K split or not, plain or double-quantised absmax), one launch a member where a tile would straddle two
+    members (37 rows) or the kernel has no groups (dot)."""
+    kernel, _, rows, *_, dtype, _ = GROUPS[case]
+    err, launches = results["group"][str(case)]
+    one = kernel != "dot" and rows[0] % 16 == 0
+    assert launches == (1 if one else len(rows))
+    assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), err
 
 
 def test_split_counters_left_at_zero(results):

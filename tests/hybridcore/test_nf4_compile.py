@@ -33,7 +33,7 @@ def compile_launch(fn, args, kwargs, reduce: int) -> None:
     constexprs = {p.name for p in fn.params if p.is_constexpr}
     defaults = {p.name: p.default for p in fn.params if p.has_default}
     values = {**defaults, **dict(zip(fn.arg_names, args)), **{k: v for k, v in kwargs.items() if k not in constexprs}}
-    kwargs = {k: v for k, v in kwargs.items() if k in constexprs}
+    kwargs = {k: v for k, v in {**defaults, **kwargs}.items() if k in constexprs}  # defaults: LORA, GROUP
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -82,5 +82,16 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
             compile_launch(fn, args, kwargs, reduce)
         except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
             failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}, rank {rank}", e))
+    # group_matmul's one launch for three members (q/k/v), each with its LoRA delta
+    w = weight(N, K, seed=0)[0]
+    nf4.group_matmul(torch.zeros(8, K, dtype=torch.bfloat16), [w, w, w], kernel="nibble_dot",
+                     loras=[(torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(N, 16, dtype=torch.bfloat16),
+                             torch.ones(1))] * 3)
+    fn, args, kwargs = recorded.pop()
+    kwargs.pop("REDUCE")
+    try:
+        compile_launch(fn, args, kwargs, 2)
+    except Exception as e:  # noqa: BLE001
+        failures.append(failure("nibble_dot, three members, rank 16", e))
     assert {k for k, *_ in LAUNCHES} == set(nf4.KERNELS)
     assert not failures, "\n".join(failures)

@@ -27,15 +27,17 @@ def test_fused_greedy_tokens_equal_the_bitsandbytes_rollout(results):
 
 def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(results):
     """Every bitsandbytes Linear4bit once per decode step at the batch's rows, through its peft wrapper's forward
-    with the adapter's delta (nf4.matmul's `lora`); the prefill stays on bitsandbytes; after the rollout the layers
-    and wrappers have their own forwards again."""
+    with the adapter's delta (nf4.group_matmul's `loras`); the prefill stays on bitsandbytes; after the rollout the
+    layers and wrappers have their own forwards again."""
     assert results["linear4bit"] == 14  # 2 layers x 7 projections
-    assert results["fused_calls"] == results["linear4bit"] * DECODE_STEPS
-    assert results["lora_calls"] == results["fused_calls"]  # each adapter's delta in the kernel's epilogue
-    # u = x @ A^T grouped by input: per layer q/k/v/o share a parent and a width (o_proj's input differs, so it makes
-    # a product of its own), gate/up share theirs: 3 products for 6 adapters, down_proj's alone
-    assert results["shared_calls"] == 6 / 7 * results["lora_calls"] and \
-        results["shared_products"] * 2 == results["shared_calls"]
+    assert results["fused_linears"] == results["linear4bit"] * DECODE_STEPS
+    assert results["lora_calls"] == results["fused_linears"]  # each adapter's delta in the kernel's epilogue
+    # per layer q/k/v in one launch and gate/up in one (fused_decode.PACKED), o_proj and down_proj alone: 4 launches
+    # for 7 linears; their u = x @ A^T grouped the same way: q/k/v's and gate/up's in one product each (each member
+    # asks the group), o_proj and down_proj their own
+    assert results["fused_calls"] == 4 / 7 * results["fused_linears"] and results["members"] == [1, 2, 3]
+    assert results["shared_calls"] == 5 / 7 * results["lora_calls"] and \
+        results["shared_products"] * 5 == results["shared_calls"] * 2
     assert results["fused_rows"] == [PROMPTS]
     assert results["restored"] is True
 
@@ -99,8 +101,9 @@ def test_the_adapter_product_runs_in_the_compute_dtype(monkeypatch):
         def forward(self, x):
             raise AssertionError("4 rows: the patched forward, not the wrapper's own")
 
-    def op(x, *args):
-        seen.update(x=x.dtype, u=args[-3].dtype, b=args[-2].dtype, scale=args[-1].dtype, u_value=args[-3])
+    def op(x, *args):  # the LoRA operands: one-entry lists, the op taking up to three weights' (group_matmul)
+        seen.update(x=x.dtype, u=args[-3][0].dtype, b=args[-2][0].dtype, scale=args[-1][0].dtype,
+                    u_value=args[-3][0])
         return x.new_zeros(*x.shape[:-1], 64)
     monkeypatch.setattr(fused_decode, "nf4_matmul", op)
     g = torch.Generator().manual_seed(0)
