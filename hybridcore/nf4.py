@@ -136,7 +136,9 @@ def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None =
     entry each or none. One launch for all of them where the kernel is a LUT kernel and every member but the last
     has whole tiles of rows (block_n, unless given, is then the largest power of two up to its default, and at
     least 16, that divides those members' rows): a launch costs ~7 us beyond its bytes on an H100 (bench/RESULTS.md
-    2026-12-07 13:23). Otherwise each member is a launch of its own, their outputs concatenated."""
+    2026-12-07 13:23). Otherwise each member is a launch of its own, their outputs concatenated. One launch reads
+    the first member's NF4 code for all (bitsandbytes has one; comparing them here would cost a sync a call:
+    fused_decode.packable compares them once)."""
     import triton
 
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
