@@ -50,6 +50,9 @@ CONFIGS = [
     # per quantisation block scaled after it, the next block's loads issued a step ahead; untimed until these rows
     ("pair_dot", dict(kernel="pair_dot"), (8, 16, 64)),
     ("nibble_dot", dict(kernel="nibble_dot"), (8, 16, 64)),
+    # two steps' loads in flight a program, not one: ~1 TB/s of 4-bit bytes is what ~4 programs an SM with 4 KB in
+    # flight each sustain at HBM latency (per_projection, 2026-12-07 13:23); untimed until this row
+    ("nibble_dot_ahead2", dict(kernel="nibble_dot", ahead=2), (8, 16)),
     ("pair_dot_n256_w8", dict(kernel="pair_dot", block_n=256, num_warps=8), (8, 16)),
     ("nibble_dot_n256_w8", dict(kernel="nibble_dot", block_n=256, num_warps=8), (8, 16)),
     ("pair_dot_n64", dict(kernel="pair_dot", block_n=64), (8, 16)),

@@ -82,9 +82,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
             compile_launch(fn, args, kwargs, reduce)
         except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
             failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}, rank {rank}", e))
-    # group_matmul's one launch for three members (q/k/v), each with its LoRA delta
+    # group_matmul's one launch for three members (q/k/v), each with its LoRA delta, two steps' loads in flight
     w = weight(N, K, seed=0)[0]
-    nf4.group_matmul(torch.zeros(8, K, dtype=torch.bfloat16), [w, w, w], kernel="nibble_dot",
+    nf4.group_matmul(torch.zeros(8, K, dtype=torch.bfloat16), [w, w, w], kernel="nibble_dot", ahead=2,
                      loras=[(torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(N, 16, dtype=torch.bfloat16),
                              torch.ones(1))] * 3)
     fn, args, kwargs = recorded.pop()
@@ -92,6 +92,6 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
     try:
         compile_launch(fn, args, kwargs, 2)
     except Exception as e:  # noqa: BLE001
-        failures.append(failure("nibble_dot, three members, rank 16", e))
+        failures.append(failure("nibble_dot, three members, rank 16, ahead 2", e))
     assert {k for k, *_ in LAUNCHES} == set(nf4.KERNELS)
     assert not failures, "\n".join(failures)
