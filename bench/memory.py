@@ -488,13 +488,32 @@ def profile_decode(b: Bench, steps: int) -> dict:
     return report
 
 
+STEP_TOP_KERNELS, STEP_TOP_OPS = 30, 20  # profile_step's kernel list and operator list
+
+
 def profile_step(b: Bench) -> dict:
     """The default row's scoring and update (one PPO step on its last rollout's responses): kernel time by kind
-    beside the step's wall time, so launch gaps and host work show as the difference."""
-    from bench.decode_profile import breakdown
+    beside the step's wall time, so launch gaps and host work show as the difference; the same by phase (scoring,
+    actor_update, critic_update; the optimizer steps run between phases, "(outside phases)"), the largest kernels,
+    and the operators whose kernels take longest with their input shapes and dtypes (a kernel's name alone does not
+    say which call made an fp32 matrix product)."""
+    from bench.decode_profile import PHASE, breakdown
+    phase = b.ledger.phase
+
+    @contextmanager
+    def labelled(name: str):
+        with torch.profiler.record_function(PHASE + name), phase(name) as handle:
+            yield handle
+    b.ledger.phase = labelled  # what PpoStep and Bench._step enter; the class's method again below
+    out = {}
     t0 = time.perf_counter()
-    report = {"kernels": breakdown(lambda: b.step(2, rollout=False, fused=b.fused_default), b.device, 1)}
+    try:
+        report = {"kernels": breakdown(lambda: out.update(b.step(2, rollout=False, fused=b.fused_default)), b.device,
+                                       1, top=STEP_TOP_KERNELS, ops=STEP_TOP_OPS)}
+    finally:
+        del b.ledger.phase
     report["profiled_wall_s"] = time.perf_counter() - t0
+    report["phase_wall_s"] = {k: p["seconds"] for k, p in out.get("phases", {}).items()}  # beside by_phase's kernels
     return report
 
 
@@ -596,7 +615,8 @@ def main() -> int:
                          "decode')")
     ap.add_argument("--profile", action="store_true",
                     help="after the default row: its decode step's and prefill's kernels by kind, a graph replay "
-                         "(decode_profile.py), and the kernels of one more step's scoring and update")
+                         "(decode_profile.py), and the kernels of one more step's scoring and update: by kind, by "
+                         "phase, the largest kernels, and the operators (input shapes, dtypes) that take longest")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: record the default row's allocations; what is alive at its peak, by site (mem_trace.py)")
     a = ap.parse_args()

@@ -24,6 +24,7 @@ def test_tiny_run_times_every_row(tmp_path):
     assert prof["prefill"]["kernels"]["total_ms"] > 0
     step = res["step_profile"]  # and one more step's scoring and update
     assert step["kernels"]["kernels_per_unit"] > prof["kernels"]["kernels_per_unit"] and step["profiled_wall_s"] > 0
+    check_step_attribution(step)
     rows = {r["row"]: r for r in res["ablation"]}
     assert list(rows) == [name for name, _, _ in rows_for("tiny")]
     assert "bitsandbytes 4-bit decode" not in rows  # on a CPU the default already decodes through bitsandbytes
@@ -34,3 +35,25 @@ def test_tiny_run_times_every_row(tmp_path):
     assert rows["optimizer offload on"]["rollout_warmup_s"] > 0
     assert "rollout_warmup_s" not in rows["optimizer states on the host"]
     assert "rollout warmed first" in (tmp_path / "memory-tiny.md").read_text()
+
+
+def check_step_attribution(step: dict) -> None:
+    """step_profile by phase and by operator: each trained phase's kernels (on CPU, top-level operators) inside its
+    own wall time, every kernel placed, the longest kernels and operators (input shapes and dtypes) listed."""
+    from bench.memory import SHAPES, STEP_TOP_KERNELS, STEP_TOP_OPS
+    k = step["kernels"]
+    phases = k["by_phase"]["phases"]
+    for name in ("scoring", "actor_update", "critic_update"):
+        p = phases[name]
+        assert 0 < p["total_ms"] <= 1e3 * step["phase_wall_s"][name] * 1.05, (name, p, step["phase_wall_s"])
+        assert p["ms_by_kind"]["gemm"] > 0 and p["kernels_per_unit"] == sum(p["kernels_by_kind"].values())
+    assert abs(k["by_phase"]["unlinked_ms"]) < 1e-6 * k["total_ms"]  # on CPU every top-level operator is placed
+    assert sum(p["kernels_per_unit"] for p in phases.values()) == k["kernels_per_unit"]
+    assert len(k["top_kernels_ms"]) == STEP_TOP_KERNELS
+    ops = k["top_ops"]
+    assert len(ops) == STEP_TOP_OPS and [r["ms"] for r in ops] == sorted((r["ms"] for r in ops), reverse=True)
+    for r in ops:
+        assert r["calls"] > 0 and r["ms"] > 0 and abs(sum(r["ms_by_phase"].values()) - r["ms"]) < 1e-6 * r["ms"]
+    hidden = str(SHAPES["tiny"][1]["hidden_size"])
+    products = [r for r in ops if r["op"] == "aten::mm" and hidden in r["shapes"]]
+    assert products and all(r["dtypes"].count(",") == 1 for r in products), products  # the two operands' dtypes
