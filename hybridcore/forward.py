@@ -108,8 +108,12 @@ def response_nll(model, batch: Batch, chunk_tokens: int | None = None):
 
 
 def token_scores(scorer, batch: Batch) -> torch.Tensor:
-    """A sequence scorer's score head applied at every position ([B, L]): values for a critic."""
-    with mixed_precision(scorer):
+    """A sequence scorer's score head applied at every position ([B, L]): values for a critic. The body's autocast
+    follows the body's own parameters: a trained score head in the base's dtype (a shared critic's value head, a
+    LoRA critic's or reward model's `score`) beside float32 adapters once turned it off for the whole body, whose
+    LoRA products then ran in float32 (cuBLAS' SIMT kernels, 0.25 s of the 8B step's training, H100, bench/
+    RESULTS.md 2026-12-07 13:23)."""
+    with mixed_precision(scorer.base_model):
         hidden = scorer.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                    position_ids=batch.position_ids, use_cache=False).last_hidden_state
     return scorer.score(hidden).squeeze(-1).float()

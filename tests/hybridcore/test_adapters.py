@@ -14,7 +14,7 @@ from hybridcore.adapters import (LoraSpec, adapter_parameters, add_lora, compute
                                  save_adapters, save_merged, use_adapter)
 from hybridcore.batch import pack
 from hybridcore.errors import InputError
-from hybridcore.forward import batched, response_logprobs
+from hybridcore.forward import batched, response_logprobs, token_scores
 from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer
 from hybridcore.quant import bnb_config, check_4bit_shapes
 from hybridcore.shared_base import SharedBase, value_head
@@ -233,6 +233,32 @@ def test_lora_on_a_bf16_base_computes_in_bf16_from_float32_masters(folder, batch
         assert g.dtype == torch.float32
         cos = torch.nn.functional.cosine_similarity(g.flatten(), grads[1][name].flatten(), dim=0)
         assert cos > 0.999, (name, cos)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_critic_with_a_trained_bf16_head_computes_its_body_under_autocast(folder, batch, shared):
+    """A critic whose trained parameters are float32 adapters and a bf16 head (shared base: the value head is its
+    only parameter; a LoRA critic: its `score` kept trainable) runs its body under bf16 autocast like the actor:
+    compute_dtype of the whole scorer is None (two trained dtypes), so token_scores asks the body's."""
+    base = load_causal_lm(str(folder), precision="bf16")
+    head = value_head(base.config.hidden_size, torch.bfloat16, None, 0.02, seed=0)
+    if shared:
+        critic = SharedBase(base, SPEC, SPEC, head).critic
+        body = critic.base_model
+    else:
+        critic = torch.nn.Module()
+        critic.base_model, critic.score = add_lora(base, SPEC, "engine.roles.critic", "default").get_base_model()\
+            .model, head.requires_grad_(True)
+        body = critic.base_model
+    assert compute_dtype(critic) is None and compute_dtype(body) == torch.bfloat16
+    seen = []
+    hook = body.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda *_: seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")))
+    try:
+        values = token_scores(critic, batch)
+    finally:
+        hook.remove()
+    assert seen == [torch.bfloat16] and values.dtype == torch.float32 and values.shape == batch.input_ids.shape
 
 
 def test_forwards_without_autograd_cache_no_cast_adapters(folder):
