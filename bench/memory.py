@@ -216,7 +216,7 @@ class Bench:
         rm = build_4bit(a.shape, True, device, seed=2, park=torch.device("cpu") if a.rm == "cpu" else None)
         if a.rm == "cpu":
             park(rm, torch.device("cpu"))  # pinned at build, as stages/ppo.py's load_models does
-        head = value_head(base.config.hidden_size, torch.bfloat16, rm.score, 0.02, 0).to(device)
+        head = value_head(base.config.hidden_size, torch.float32, rm.score, 0.02, 0).to(device)  # as stages/ppo.py
         sb = SharedBase(base, LORA, LORA, head)
         m = ppo.Models(sb.model, sb.model, sb.critic, rm, sb.actor_params, sb.critic_params, {}, sb.peft,
                        "actor", sb, {"reward": self.rm_home} if self.rm_home != device else {})

@@ -116,6 +116,9 @@ def token_scores(scorer, batch: Batch) -> torch.Tensor:
     with mixed_precision(scorer.base_model):
         hidden = scorer.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                    position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    head = getattr(scorer.score, "weight", None)
+    if head is not None and head.is_floating_point() and head.dtype != hidden.dtype:  # a float32 trained head
+        hidden = hidden.to(head.dtype)
     return scorer.score(hidden).squeeze(-1).float()
 
 

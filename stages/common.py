@@ -109,14 +109,17 @@ def load_policy(p, folder, role: str):
 
 def with_lora(p, model, role: str, keep_trainable: tuple[str, ...] = ()):
     """(model, peft model or None): LoRA on `model` when engine.roles.<role>.lora asks for it, everything else
-    frozen except the modules named in keep_trainable (a scorer's `score` head)."""
+    frozen except the modules named in keep_trainable (a scorer's `score` head), which are trained in float32 as
+    the adapters are: in bf16 an AdamW step of 1e-4 on a weight of 0.02 is less than one bf16 step (2**-13 there)
+    and rounds away or to a whole one; the body runs under autocast either way (forward.token_scores), and an
+    export casts every weight to the model's dtype (adapters.merged_state_dict)."""
     spec = lora_spec(p, role)
     if spec is None:
         return model, None
     peft = add_lora(model, spec, f"engine.roles.{role}", "default")
     model = peft.get_base_model()
     for name in keep_trainable:
-        getattr(model, name).requires_grad_(True)
+        getattr(model, name).float().requires_grad_(True)
     return model, peft
 
 

@@ -142,7 +142,7 @@ def shared_models(p, inputs: dict[str, Path], rm, homes: dict, critic: bool) -> 
         a = ActorOnBase(base, lora_spec(p, "actor"))
         return Models(a.model, a.model, None, rm, a.actor_params, None, {"actor": a.actor_params}, a.peft, "actor", a,
                       homes)
-    head = value_head(base.config.hidden_size, DTYPES[role_precision(p, "actor")],  # on the actor's base
+    head = value_head(base.config.hidden_size, torch.float32,  # on the actor's base; float32 as with_lora's heads
                       rm.score if p.ppo.critic_init == "reward" else None,
                       getattr(base.config, "initializer_range", 0.02), p.pipeline.seed).to(base.device)
     sb = SharedBase(base, lora_spec(p, "actor"), lora_spec(p, "critic"), head)

@@ -261,6 +261,27 @@ def test_a_critic_with_a_trained_bf16_head_computes_its_body_under_autocast(fold
     assert seen == [torch.bfloat16] and values.dtype == torch.float32 and values.shape == batch.input_ids.shape
 
 
+def test_a_float32_head_over_a_bf16_body_trains_where_a_bf16_one_cannot(folder, batch):
+    """The stages train a scorer's head in float32 (stages/common.py with_lora, the value head of stages/ppo.py):
+    token_scores feeds it the bf16 body's hidden state in float32 and its gradient flows into the adapters; one AdamW
+    step at 1e-5 moves every weight, where the same step on the bf16 head rounds most away (a 0.02 weight's bf16
+    step is ~1e-4: only weights near zero move)."""
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        base = load_causal_lm(str(folder), precision="bf16")
+        sb = SharedBase(base, SPEC, SPEC, value_head(base.config.hidden_size, dtype, None, 0.02, seed=0))
+        head, before = sb.head.weight, sb.head.weight.detach().clone()
+        opt = torch.optim.AdamW(sb.critic_params.parameters(), lr=1e-5)  # the critic's adapters and its head
+        with sb.use("critic"):
+            values = token_scores(sb.critic, batch)
+        assert values.dtype == torch.float32
+        values.square().mean().backward()
+        assert all(p.grad is not None for p in sb.critic_params.parameters())  # through the cast into the body
+        opt.step()
+        moved[dtype] = float((head.detach() != before).float().mean())
+    assert moved[torch.float32] == 1.0 and moved[torch.bfloat16] < 0.25, moved
+
+
 def test_forwards_without_autograd_cache_no_cast_adapters(folder):
     """Training's forward keeps autocast's cache (a cast weight reused by backward); a forward without autograd (the
     rollout's prefill, scoring) does not, so the adapters' bf16 copies go as soon as each layer is done."""
