@@ -8,8 +8,8 @@ one adapter is active (plain LoRA: no DoRA or other variant, no dropout at work)
 u = x @ A^T (in the layer's compute dtype; adapters of one module that read the same input, q/k/v or gate/up, in
 one product: `SharedInput`) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so
 an adapter costs at most one small product a projection instead of two products and an add; q/k/v and gate/up
-(`PACKED`) are also one kernel launch each, nf4.group_matmul, their outputs side by side and sliced; any other wrapper adds
-its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the
+(`PACKED`) are also one kernel launch each, nf4.group_matmul, their outputs side by side and sliced; any other
+wrapper adds its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the
 adapters do not change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised
 absmax included (resolved per block inside the kernel), so the rollout holds no copy of them; only the second
 level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an
