@@ -23,10 +23,20 @@ TEXTS = [f"item {i} costs {i * 7 % 50} coins and weighs {i * 3 % 20} grams" for 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def model_and_tokenizer():
+def model_and_tokenizer(bias: bool = False):
+    """The micro model in 4-bit with a LoRA adapter on every linear; bias: q/k/v/o with random biases (as Qwen2's
+    q/k/v have: a grouped launch's members each add their own)."""
     tok = train_tokenizer(TEXTS, 384)
+    plain = build_preset("micro", tok, seed=0)
+    if bias:
+        plain = type(plain)(type(plain.config)(**{**plain.config.to_dict(), "attention_bias": True}))
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for m in plain.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.5)
     with tempfile.TemporaryDirectory() as d:
-        save_model(build_preset("micro", tok, seed=0), tok, Path(d))
+        save_model(plain, tok, Path(d))
         model = load_causal_lm(d, quantization="4bit")
     peft = add_lora(model, LoraSpec(8, 16.0, LINEARS), "engine.roles.actor", "actor")
     g = torch.Generator().manual_seed(1)
@@ -123,6 +133,12 @@ def main() -> None:
             out[f"one_{fused}"] = actor.generate(prompts[:1], 6, greedy=True)
     out["one_row_fused_calls"] = calls["rows"][out["fused_calls"]:].count(1)
     out["linear4bit"] = len(linear4bit_layers(model))
+    biased, _ = model_and_tokenizer(bias=True)
+    out["biases"] = sum(m.bias is not None for m in linear4bit_layers(biased))
+    for fused in (False, True):
+        actor = HybridActor(biased, tok, fused_4bit=fused)
+        with actor.rollout():
+            out[f"bias_{fused}"] = actor.generate(prompts, 6, greedy=True)
     out["compiled_step"] = compiled_step(model)
     try:
         HybridActor(build_preset("micro", tok, seed=0), tok, fused_4bit=True)

@@ -42,6 +42,13 @@ def test_only_the_decode_steps_go_through_the_kernel_and_the_layers_come_back(re
     assert results["restored"] is True
 
 
+def test_biased_projections_in_a_grouped_launch(results):
+    """q/k/v (and o) with biases, as Qwen2's q/k/v have: the grouped launch's output sliced per member, each adding
+    its own bias, gives bitsandbytes' greedy tokens."""
+    assert results["biases"] == 8  # 2 layers x q/k/v/o
+    assert results["bias_True"] == results["bias_False"] and len(results["bias_True"]) == PROMPTS
+
+
 def test_a_lone_row_stays_on_bitsandbytes(results):
     """A one-prompt rollout decodes one row a step: bitsandbytes' own gemv kernel is faster there (bench/RESULTS.md
     2026-12-06), so the fused kernel takes no one-row call (its 4-token prefill may go either way), and the tokens
