@@ -211,7 +211,7 @@ def _group_rows(weights: list[NF4Weight], kernel: str) -> int | None:
 
 def _one_launch(weights: list[NF4Weight], kernel: str, block_n: int, loras: list) -> bool:
     """Whether group_matmul's members can share one nf4_lut_dot launch (see its docstring)."""
-    w0, lora0 = weights[0], loras[0]
+    w0 = weights[0]
     same = all(w.shape[1] == w0.shape[1] and w.blocksize == w0.blocksize and w.nested == w0.nested
                and w.blocksize2 == w0.blocksize2 and w.code.dtype == w0.code.dtype for w in weights)
     ranks = {None if lora is None else (lora[0].shape[-1], lora[0].reshape(-1, lora[0].shape[-1]).stride(0),
