@@ -127,3 +127,30 @@ def test_the_adapter_product_runs_in_the_compute_dtype(monkeypatch):
     want = x.float() @ a.weight.detach().bfloat16().float().T
     assert torch.allclose(seen["u_value"].float(), want, rtol=1e-2, atol=1e-2)
     assert a.weight.dtype == b.weight.dtype == torch.float32  # the adapters themselves stay as training keeps them
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, True), ({"rank": 4}, False), ({"k": 128}, False), ({"code": 0.5}, False), ({"nested": False}, False),
+    ({"dtype": "float16"}, False)])
+def test_only_alike_members_share_a_launch(change, expected):
+    """fused_decode.packable: q/k/v (or gate/up) share one launch only where one input width and compute dtype,
+    one LoRA rank and one K, block layout and NF4 code hold for all (a member that differs: each its own launch)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridcore import fused_decode, nf4
+    code = torch.linspace(-1, 1, 16)
+
+    def member(i: int, odd: dict):
+        k, nested = odd.get("k", 64), odd.get("nested", True)
+        base = SimpleNamespace(in_features=k, compute_dtype=getattr(torch, odd.get("dtype", "bfloat16")))
+        second = (torch.ones(1), code, torch.zeros(1)) if nested else ()  # absmax2, code2, offset
+        weight = nf4.NF4Weight(torch.zeros(32 * k // 2, dtype=torch.uint8), torch.zeros(32 * k // 64),
+                               code * odd.get("code", 1.0), (32, k), 64, *second)
+        lora_a = SimpleNamespace(weight=torch.zeros(odd.get("rank", 8), k))
+        return SimpleNamespace(get_base_layer=lambda: base, lora_A={"actor": lora_a}), base, weight
+    made = [member(i, change if i == 2 else {}) for i in range(3)]
+    wrappers = {id(m): "actor" for m, _, _ in made}
+    weights = {id(base): w for _, base, w in made}
+    assert fused_decode.packable([m for m, _, _ in made], wrappers, weights) is expected
