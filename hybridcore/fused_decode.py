@@ -1,19 +1,19 @@
 """The 4-bit rollout's decode linears through the fused NF4 kernel (hybridcore/nf4.py) instead of bitsandbytes.
 
 A rollout transition (hybridcore/transitions.py's protocol): on entry every bitsandbytes Linear4bit of the model
-gets a forward that sends small batches (2 to `max_rows` rows: the decode steps) through `nf4.matmul`, which
-reads each packed weight once, and everything else (a longer prefill, a lone row) through bitsandbytes' own forward;
-on exit the layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer; where
+gets a forward that sends small batches (2 to `max_rows` rows: the decode steps) through `nf4.matmul`, which reads
+each packed weight once, and everything else (a longer prefill, a lone row) through bitsandbytes' own forward; on
+exit the layers' own forwards come back, so training never sees it. peft's LoRA layers wrap the base layer; where
 one adapter is active (plain LoRA: no DoRA or other variant, no dropout at work) the wrapper's forward computes
 u = x @ A^T (in the layer's compute dtype; adapters of one module that read the same input, q/k/v or gate/up, in
-one product: `SharedInput`) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so
-an adapter costs at most one small product a projection instead of two products and an add; q/k/v and gate/up
+one product: `SharedInput`) and the kernel adds (u @ B^T) * scaling inside its epilogue (nf4.matmul's `lora`), so an
+adapter costs at most one small product a projection instead of two products and an add; q/k/v and gate/up
 (`PACKED`) are also one kernel launch each, nf4.group_matmul, their outputs side by side and sliced; any other
-wrapper adds its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only adapters; the
-adapters do not change inside a rollout either). The kernels read bitsandbytes' own tensors, the double-quantised
-absmax included (resolved per block inside the kernel), so the rollout holds no copy of them; only the second
-level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first did, cost an
-eighth of the packed bytes: 0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
+wrapper adds its deltas around whichever forward its base layer has. The weights are frozen (QLoRA trains only
+adapters; the adapters do not change inside a rollout either). The kernels read bitsandbytes' own tensors, the
+double-quantised absmax included (resolved per block inside the kernel), so the rollout holds no copy of them; only
+the second level's small tables are made fp32 where they are not (an fp32 absmax resolved on entry, as this first
+did, cost an eighth of the packed bytes: 0.41 GiB at the Llama-3-8B shape, bench/RESULTS.md 2026-12-06).
 
 The kernel is called through a custom op (`torch.ops.hybridcore.nf4_matmul`), which torch.compile keeps as one
 opaque node: traced into, the launcher's Python broke the compiled decode step inside every attention, and each
@@ -216,14 +216,13 @@ def shared_inputs(model, wrappers: dict, weights: dict) -> tuple[dict, list]:
 
 def packable(members: list, wrappers: dict, weights: dict) -> bool:
     """Whether PACKED members can share one launch: one input width and compute dtype, one LoRA rank, 4-bit
-    weights of one K, block layout and NF4 code (nf4.group_matmul's terms; compared once, on entry)."""
-    first = weights[id(members[0].get_base_layer())]
+    weights of one K, block layout and NF4 code (nf4.same_layout, and the code's values, which one launch takes from
+    the first member: compared here once, on entry)."""
     keys = {(m.get_base_layer().in_features, compute_dtype(m, wrappers[id(m)]),
              m.lora_A[wrappers[id(m)]].weight.shape[0]) for m in members}
-    same = [weights[id(m.get_base_layer())] for m in members]
-    return len(keys) == 1 and len(members) <= nf4.MAX_GROUP and all(
-        w.shape[1] == first.shape[1] and w.blocksize == first.blocksize and w.nested == first.nested
-        and w.blocksize2 == first.blocksize2 and torch.equal(w.code, first.code) for w in same)
+    ws = [weights[id(m.get_base_layer())] for m in members]
+    return (len(keys) == 1 and len(members) <= nf4.MAX_GROUP and nf4.same_layout(ws)
+            and all(torch.equal(w.code, ws[0].code) for w in ws))
 
 
 def group_of(members: list, wrappers: dict, weights: dict | None) -> tuple[dict, SharedInput]:

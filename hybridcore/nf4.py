@@ -209,14 +209,19 @@ def _group_rows(weights: list[NF4Weight], kernel: str) -> int | None:
     return bn
 
 
+def same_layout(weights: list[NF4Weight]) -> bool:
+    """Whether the weights share K, the quantisation blocks, the absmax's layout and the code's dtype: what one
+    group_matmul launch reads alike for every member (the code's values it takes from the first)."""
+    w0 = weights[0]
+    return all(w.shape[1] == w0.shape[1] and w.blocksize == w0.blocksize and w.nested == w0.nested
+               and w.blocksize2 == w0.blocksize2 and w.code.dtype == w0.code.dtype for w in weights)
+
+
 def _one_launch(weights: list[NF4Weight], kernel: str, block_n: int, loras: list) -> bool:
     """Whether group_matmul's members can share one nf4_lut_dot launch (see its docstring)."""
-    w0 = weights[0]
-    same = all(w.shape[1] == w0.shape[1] and w.blocksize == w0.blocksize and w.nested == w0.nested
-               and w.blocksize2 == w0.blocksize2 and w.code.dtype == w0.code.dtype for w in weights)
     ranks = {None if lora is None else (lora[0].shape[-1], lora[0].reshape(-1, lora[0].shape[-1]).stride(0),
                                          lora[0].dtype) for lora in loras}
-    return (kernel in LUT_KERNELS and len(weights) <= MAX_GROUP and same and len(ranks) == 1
+    return (kernel in LUT_KERNELS and len(weights) <= MAX_GROUP and same_layout(weights) and len(ranks) == 1
             and all(w.shape[0] % block_n == 0 for w in weights[:-1]))
 
 
