@@ -46,7 +46,7 @@ import stages.ppo as ppo  # noqa: E402
 import stages.rewards as rewards  # noqa: E402
 from stages.ppo import PpoStep  # noqa: E402
 from stages.rewards import Responses, Rewards  # noqa: E402
-from hybridcore import forward, optim  # noqa: E402
+from hybridcore import forward, optim, qlora_linear  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec  # noqa: E402
 from hybridcore.batch import pack  # noqa: E402
@@ -334,6 +334,19 @@ class Bench:
                 p.grad = None
 
     @contextmanager
+    def peft_forward(self):
+        """4-bit LoRA layers through peft's own forward (its clone, scaling multiply and add), not
+        hybridcore/qlora_linear.py's one autograd function (the default)."""
+        models = self.scorers()
+        for m in models:
+            qlora_linear.install(m, fused=False)
+        try:
+            yield
+        finally:
+            for m in models:
+                qlora_linear.install(m)
+
+    @contextmanager
     def attention(self, impl: str):
         models = self.scorers()
         saved = [m.config._attn_implementation for m in models]
@@ -390,6 +403,9 @@ def cuda_setup(res: dict) -> None:
 
 ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
             ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
+            ("peft LoRA forward", {"rollout": False, "qlora": False}, "training and scoring through peft's own 4-bit "
+                                                                   "LoRA forward (clone, scale, add), not "
+                                                                   "hybridcore/qlora_linear.py's one function"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
@@ -442,6 +458,8 @@ def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False
             ctx = b.unfrozen()
         elif "attention" in sw:
             ctx = b.attention(sw["attention"])
+        elif not sw.get("qlora", True):
+            ctx = b.peft_forward()
         else:
             ctx = _null()
         with ctx:

@@ -78,16 +78,49 @@ def check_targets(model, spec: LoraSpec, field: str) -> None:
 
 def add_lora(model, spec: LoraSpec, field: str, adapter: str, peft_model=None):
     """Add adapter `adapter` to `model` (a plain HF model) or to an existing `peft_model`; returns the
-    PeftModel. The new adapter's B is zero, so the model's outputs do not change."""
+    PeftModel. The new adapter's B is zero, so the model's outputs do not change. LoRA layers over 4-bit weights
+    compute through qlora_linear's one autograd function."""
     from peft import LoraConfig, get_peft_model
 
     check_targets(model if peft_model is None else peft_model.get_base_model(), spec, field)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
                         bias="none")
     if peft_model is None:
-        return get_peft_model(model, config, adapter_name=adapter)
-    peft_model.add_adapter(adapter, config)
+        peft_model = get_peft_model(model, config, adapter_name=adapter)
+    else:
+        peft_model.add_adapter(adapter, config)
+    from hybridcore import qlora_linear  # imports this module
+    qlora_linear.install(peft_model)
     return peft_model
+
+
+def linear4bit_layers(model) -> list[torch.nn.Module]:
+    """bitsandbytes' own Linear4bit layers (peft's LoRA wrapper around one has the same class name)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, Linear4bit)]
+
+
+def lora_wrappers(model) -> list[torch.nn.Module]:
+    """peft's LoRA layers around a bitsandbytes Linear4bit."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    bases = set(map(id, linear4bit_layers(model)))
+    return [m for m in model.modules() if isinstance(m, LoraLayer) and id(m.get_base_layer()) in bases]
+
+
+def lora_adapter(wrapper) -> str | None:
+    """The one plain LoRA adapter a peft wrapper's forward would add, or None where its forward does more than
+    base + (B(A(x))) * scaling: no adapter or several active, merged or disabled adapters, DoRA or another variant."""
+    active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if len(active) != 1 or wrapper.merged or wrapper.disable_adapters or active[0] in getattr(wrapper, "lora_variant",
+                                                                                               {}):
+        return None
+    return active[0]
 
 
 def adapter_parameters(model, adapter: str) -> dict[str, torch.nn.Parameter]:

@@ -27,6 +27,7 @@ import os
 import torch
 
 from hybridcore import nf4
+from hybridcore.adapters import linear4bit_layers, lora_adapter, lora_wrappers
 
 # the decode batches, in rows, sent through the fused kernel (bench/nf4_decode.py, H100: the 8B decoder's 224
 # linears take 5.7 ms at 8 and 16 rows against bitsandbytes' 11.6, which dequantises the whole weight for more than
@@ -34,13 +35,6 @@ from hybridcore import nf4
 MIN_ROWS, MAX_ROWS = 2, 16
 
 
-def linear4bit_layers(model) -> list[torch.nn.Module]:
-    """bitsandbytes' own Linear4bit layers (peft's LoRA wrapper around one has the same class name)."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, Linear4bit)]
 
 
 @torch.library.custom_op("hybridcore::nf4_matmul", mutates_args=(),
@@ -94,14 +88,6 @@ def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = M
     return forward
 
 
-def lora_adapter(wrapper) -> str | None:
-    """The one plain LoRA adapter a peft wrapper's forward would add, or None where its forward does more than
-    base + (B(A(x))) * scaling: no adapter or several active, merged or disabled adapters, DoRA or another variant."""
-    active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-    if len(active) != 1 or wrapper.merged or wrapper.disable_adapters or active[0] in getattr(wrapper, "lora_variant",
-                                                                                               {}):
-        return None
-    return active[0]
 
 
 class SharedInput:
@@ -243,14 +229,6 @@ def group_of(members: list, wrappers: dict, weights: dict | None) -> tuple[dict,
     return {id(m): (group, r, c) for m, r, c in zip(members, ranks, columns)}, group
 
 
-def lora_wrappers(model) -> list[torch.nn.Module]:
-    """peft's LoRA layers around a bitsandbytes Linear4bit."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return []
-    bases = set(map(id, linear4bit_layers(model)))
-    return [m for m in model.modules() if isinstance(m, LoraLayer) and id(m.get_base_layer()) in bases]
 
 
 class FusedNf4Decode:

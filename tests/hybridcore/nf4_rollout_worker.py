@@ -14,8 +14,8 @@ import torch  # noqa: E402
 
 from hybridcore import fused_decode, nf4  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
-from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters  # noqa: E402
-from hybridcore.fused_decode import FusedNf4Decode, linear4bit_layers  # noqa: E402
+from hybridcore.adapters import LoraSpec, add_lora, adapter_parameters, linear4bit_layers  # noqa: E402
+from hybridcore.fused_decode import FusedNf4Decode  # noqa: E402
 from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer  # noqa: E402
 from hybridcore.rollout import StaticKVCache, decode_step  # noqa: E402
 

@@ -87,7 +87,7 @@ def test_only_a_lone_plain_adapter_goes_into_the_kernel(change, expected):
     around the fused base layer."""
     from types import SimpleNamespace
 
-    from hybridcore.fused_decode import lora_adapter
+    from hybridcore.adapters import lora_adapter
     wrapper = SimpleNamespace(**{"active_adapters": ["actor"], "lora_A": {"actor": None, "critic": None},
                                  "merged": False, "disable_adapters": False, "lora_variant": {}, **change})
     assert lora_adapter(wrapper) == expected
