@@ -46,7 +46,7 @@ import stages.ppo as ppo  # noqa: E402
 import stages.rewards as rewards  # noqa: E402
 from stages.ppo import PpoStep  # noqa: E402
 from stages.rewards import Responses, Rewards  # noqa: E402
-from hybridcore import forward, optim, qlora_linear  # noqa: E402
+from hybridcore import forward, optim, qlora_linear, rmsnorm  # noqa: E402
 from hybridcore.actor import HybridActor  # noqa: E402
 from hybridcore.adapters import LoraSpec  # noqa: E402
 from hybridcore.batch import pack  # noqa: E402
@@ -121,6 +121,7 @@ def build_4bit(shape: str, scorer: bool, device: torch.device, seed: int, park: 
         model.model.rotary_emb = type(rotary)(config=config)
     model.is_loaded_in_4bit = True  # what from_pretrained sets; peft picks its 4-bit LoRA layer by it
     keep_one_4bit_layout(model)
+    rmsnorm.install(model)  # as hybridcore/models.py's loading does
     return model.requires_grad_(False).eval()
 
 
@@ -334,17 +335,18 @@ class Bench:
                 p.grad = None
 
     @contextmanager
-    def peft_forward(self):
-        """4-bit LoRA layers through peft's own forward (its clone, scaling multiply and add), not
-        hybridcore/qlora_linear.py's one autograd function (the default)."""
+    def plain_forward(self, module):
+        """`module`'s forwards from transformers and peft, not hybridcore's (the default): 4-bit LoRA layers through
+        peft's forward (its clone, scaling multiply and add: hybridcore/qlora_linear.py), or RMSNorm through
+        transformers' seven kernels (hybridcore/rmsnorm.py)."""
         models = self.scorers()
         for m in models:
-            qlora_linear.install(m, fused=False)
+            module.install(m, False)
         try:
             yield
         finally:
             for m in models:
-                qlora_linear.install(m)
+                module.install(m)
 
     @contextmanager
     def attention(self, impl: str):
@@ -403,9 +405,11 @@ def cuda_setup(res: dict) -> None:
 
 ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
             ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
-            ("peft LoRA forward", {"rollout": False, "qlora": False}, "training and scoring through peft's own 4-bit "
-                                                                   "LoRA forward (clone, scale, add), not "
-                                                                   "hybridcore/qlora_linear.py's one function"),
+            ("peft LoRA forward", {"rollout": False, "plain": "qlora_linear"},
+             "training and scoring through peft's own 4-bit LoRA forward (clone, scale, add), not "
+             "hybridcore/qlora_linear.py's one function"),
+            ("transformers RMSNorm", {"rollout": False, "plain": "rmsnorm"},
+             "training and scoring through transformers' RMSNorm (seven kernels), not hybridcore/rmsnorm.py's one"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
@@ -458,8 +462,8 @@ def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False
             ctx = b.unfrozen()
         elif "attention" in sw:
             ctx = b.attention(sw["attention"])
-        elif not sw.get("qlora", True):
-            ctx = b.peft_forward()
+        elif "plain" in sw:
+            ctx = b.plain_forward({"qlora_linear": qlora_linear, "rmsnorm": rmsnorm}[sw["plain"]])
         else:
             ctx = _null()
         with ctx:

@@ -6,6 +6,7 @@ Every model handed between stages is an HF-format folder (safetensors + config +
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from pathlib import Path
@@ -239,14 +240,35 @@ def load_causal_lm(path: str, precision: str = "fp32", attention: str = "sdpa", 
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise InputError(f"{field}: could not load {path} as a causal LM ({_first_line(e)})") from None
-    return _after_quantized_load(model, quantization)
+    return _after_load(model, quantization)
 
 
-def _after_quantized_load(model, quantization: str):
+def _after_load(model, quantization: str):
+    """A loaded model's last touches: its RMSNorms through hybridcore/rmsnorm.py's kernels (on a GPU); a 4-bit
+    model's one weight layout (quant.py)."""
+    from hybridcore import rmsnorm
+    rmsnorm.install(model)
     if quantization == "4bit":
         from hybridcore.quant import keep_one_4bit_layout
         keep_one_4bit_layout(model)
     return model
+
+
+@functools.cache
+def _with_forward(cls: type, forward) -> type:
+    return type(cls.__name__, (cls,), {"forward": forward, "own_class": cls, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def set_forward(module: torch.nn.Module, forward, on: bool = True) -> bool:
+    """Give `module` our `forward` through a subclass of its class (isinstance checks, state dicts, hooks and peft
+    see the same module), or (on=False) its own class's forward again; whether anything changed."""
+    own = type(module).__dict__.get("own_class", type(module))
+    target = _with_forward(own, forward) if on else own
+    if type(module) is target:
+        return False
+    module.__class__ = target
+    return True
 
 
 def load_sequence_scorer(path: str, precision: str = "fp32", attention: str = "sdpa",
@@ -265,7 +287,7 @@ def load_sequence_scorer(path: str, precision: str = "fp32", attention: str = "s
         raise InputError(f"{field}: could not load {path} as a sequence scorer ({_first_line(e)})") from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    return _after_quantized_load(model, quantization)
+    return _after_load(model, quantization)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, field: str = "model.tokenizer"):

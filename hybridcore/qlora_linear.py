@@ -21,11 +21,10 @@ path), and where the dtypes differ without autocast (peft would compute the adap
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hybridcore.adapters import lora_adapter, lora_wrappers
+from hybridcore.models import set_forward
 from hybridcore.quant import dequantized_weight
 
 
@@ -96,21 +95,7 @@ def qlora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return super(type(self), self).forward(x, *args, **kwargs)
 
 
-@functools.cache
-def fused_class(peft_class: type) -> type:
-    """peft's 4-bit LoRA layer class with qlora_forward as its forward."""
-    return type(peft_class.__name__, (peft_class,), {"forward": qlora_forward, "__module__": __name__,
-                                                     "__qualname__": peft_class.__qualname__})
-
-
 def install(model, fused: bool = True) -> int:
     """Give every peft LoRA layer around a bitsandbytes Linear4bit in `model` the fused forward (fused=False: peft's
     own again); returns how many layers changed."""
-    changed = 0
-    for layer in lora_wrappers(model):
-        cls = type(layer)
-        peft_class = cls.__bases__[0] if cls.forward is qlora_forward else cls
-        target = fused_class(peft_class) if fused else peft_class
-        if cls is not target:
-            layer.__class__, changed = target, changed + 1
-    return changed
+    return sum(set_forward(layer, qlora_forward, fused) for layer in lora_wrappers(model))
