@@ -338,7 +338,7 @@ class Bench:
     def plain_forward(self, module):
         """`module`'s forwards from transformers and peft, not hybridcore's (the default): 4-bit LoRA layers through
         peft's forward (its clone, scaling multiply and add: hybridcore/qlora_linear.py), or RMSNorm through
-        transformers' seven kernels (hybridcore/rmsnorm.py)."""
+        transformers' eight kernels (hybridcore/rmsnorm.py)."""
         models = self.scorers()
         for m in models:
             module.install(m, False)
@@ -409,7 +409,7 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
              "training and scoring through peft's own 4-bit LoRA forward (clone, scale, add), not "
              "hybridcore/qlora_linear.py's one function"),
             ("transformers RMSNorm", {"rollout": False, "plain": "rmsnorm"},
-             "training and scoring through transformers' RMSNorm (seven kernels), not hybridcore/rmsnorm.py's one"),
+             "training and scoring through transformers' RMSNorm (eight kernels), not hybridcore/rmsnorm.py's one"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),

@@ -1,8 +1,8 @@
 """LlamaRMSNorm as one Triton kernel in forward and one in backward, for the eager forwards (training, scoring, a
 4-bit model's prefill) on a GPU.
 
-transformers' RMSNorm (Llama's, and the classes copied from it: Qwen2/3, Mistral, Phi-3) is seven elementwise and
-reduction kernels in forward over [tokens, hidden], most in float32 (x to float32, its square, the mean, the
+transformers' RMSNorm (Llama's, and the classes copied from it: Qwen2/3, Mistral, Phi-3) is eight elementwise
+and reduction kernels in forward over [tokens, hidden], most in float32 (x to float32, its square, the mean, the
 epsilon's add, the rsqrt, the multiply, back to x's dtype, the weight's multiply), and autograd's mirror images
 in backward, at 65 norms a forward pass of the 8B model. The largest elementwise kernels of the 8B PPO step's
 training after peft's (bench/RESULTS.md 2026-12-07 13:23, step_profile) have the shapes of its last two: a
