@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +13,11 @@ from hybridcore import qlora_linear
 from hybridcore.adapters import LoraSpec, adapter_parameters, add_lora, lora_wrappers, mixed_precision, use_adapter
 from hybridcore.batch import pack
 from hybridcore.forward import response_logprobs
-from hybridcore.models import build_preset, load_causal_lm, save_model, train_tokenizer
+from hybridcore.models import load_causal_lm
 
-TEXTS = [f"tom reads {a} pages on monday and {b} on tuesday, {a + b} in all" for a in range(1, 9) for b in range(1, 9)]
+from tests.hybridcore.test_adapters import TEXTS, folder, tok  # noqa: F401 -- the micro model's fixtures
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return train_tokenizer(TEXTS, 384)
-
-
-@pytest.fixture(scope="module")
-def folder(tok, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("micro") / "model"
-    save_model(build_preset("micro", tok, seed=0), tok, path)
-    return path
 
 
 @pytest.fixture(scope="module")
