@@ -35,13 +35,13 @@ def test_checks_and_data_reading_never_unpickle(no_unpickling, built, micro_mode
 
 def test_loaders_ask_for_safetensors_and_no_remote_code(monkeypatch, micro_model):
     """By default from_pretrained is called with use_safetensors=True and trust_remote_code=False."""
-    seen = {}
+    seen, model = {}, torch.nn.Identity()
 
     def fake(path, **kwargs):
         seen.update(kwargs)
-        return "model"
+        return model
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake)
-    assert models.load_causal_lm(str(micro_model)) == "model"
+    assert models.load_causal_lm(str(micro_model)) is model
     assert seen["use_safetensors"] is True and seen["trust_remote_code"] is False
 
 
