@@ -428,10 +428,11 @@ PHASES = {"gae": ("rollout", "scoring", "critic_update", "actor_update"),  # the
 def rows_for(shape: str, estimator: str = "gae") -> list[tuple[str, dict, str]]:
     """(name, step switches, what it changes) after the default row: gae's whole ablation for llama3-8b and tiny,
     the bitsandbytes decode alone for qwen2.5-14b; grpo's four rows for every shape (tiny, a CPU run: no decode row,
-    its default already decodes through bitsandbytes)."""
+    its default already decodes through bitsandbytes; no RMSNorm row, its norms are transformers' there)."""
     rows = ([r for r in ABLATION if r[0] in GRPO_ROWS] if estimator == "grpo" else
             [r for r in ABLATION if r[0] == "bitsandbytes 4-bit decode"] if shape == "qwen2.5-14b" else ABLATION)
-    return [r for r in rows if shape != "tiny" or "fused" not in r[1]]
+    # tiny runs on a CPU: its default already decodes through bitsandbytes and its norms are transformers' own
+    return [r for r in rows if shape != "tiny" or not ("fused" in r[1] or r[1].get("plain") == "rmsnorm")]
 
 
 def rollout_key(b: Bench, sw: dict) -> tuple[bool, bool, str]:

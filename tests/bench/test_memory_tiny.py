@@ -29,6 +29,7 @@ def test_tiny_run_times_every_row(tmp_path):
     rows = {r["row"]: r for r in res["ablation"]}
     assert list(rows) == [name for name, _, _ in rows_for("tiny")]
     assert "bitsandbytes 4-bit decode" not in rows  # on a CPU the default already decodes through bitsandbytes
+    assert "transformers RMSNorm" not in rows and "peft LoRA forward" in rows  # its norms: transformers' there
     for name, row in rows.items():
         assert "error" not in row and "oom" not in row and row["step_s"] > 0, (name, row.get("error"))
     # a row whose rollout no earlier row built (another actor: the optimizer offloaded) rolls out once untimed
