@@ -35,8 +35,6 @@ from hybridcore.adapters import linear4bit_layers, lora_adapter, lora_wrappers
 MIN_ROWS, MAX_ROWS = 2, 16
 
 
-
-
 @torch.library.custom_op("hybridcore::nf4_matmul", mutates_args=(),
                          schema="(Tensor x, Tensor[] packed, Tensor[] absmax, Tensor code, Tensor[] absmax2, "
                                 "Tensor[] code2, Tensor[] offset, int[] n, int k, int blocksize, int blocksize2, "
@@ -86,8 +84,6 @@ def fused_forward(layer, weight: nf4.NF4Weight, max_rows: int, min_rows: int = M
             return own(layer, x)
         return base_product(layer, args, x)
     return forward
-
-
 
 
 class SharedInput:
@@ -227,8 +223,6 @@ def group_of(members: list, wrappers: dict, weights: dict | None) -> tuple[dict,
         columns = [slice(e - w.shape[0], e) for w, e in zip(ws, ends)]
     group = SharedInput(torch.cat(a), ranks, fused)
     return {id(m): (group, r, c) for m, r, c in zip(members, ranks, columns)}, group
-
-
 
 
 class FusedNf4Decode:
