@@ -405,11 +405,6 @@ def cuda_setup(res: dict) -> None:
 
 ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weights tracked by autograd; scoring with autograd"),
             ("attention eager", {"rollout": False, "attention": "eager"}, "training and scoring forwards eager"),
-            ("peft LoRA forward", {"rollout": False, "plain": "qlora_linear"},
-             "training and scoring through peft's own 4-bit LoRA forward (clone, scale, add), not "
-             "hybridcore/qlora_linear.py's one function"),
-            ("transformers RMSNorm", {"rollout": False, "plain": "rmsnorm"},
-             "training and scoring through transformers' RMSNorm (eight kernels), not hybridcore/rmsnorm.py's one"),
             ("micro-batch 1", {"rollout": False, "micro": 1}, "gradient accumulation 8"),
             ("micro-batch 4", {"rollout": False, "micro": 4}, "gradient accumulation 2"),
             ("optimizer offload on", {"offload": True}, "actor's optimizer states on the CPU during rollout"),
@@ -418,6 +413,11 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("bitsandbytes 4-bit decode", {"fused": False}, "decode steps' 4-bit linears through bitsandbytes "
                                                            "(engine.rollout.decode_4bit: bitsandbytes), not the "
                                                            "fused NF4 kernel the default takes on a GPU"),
+            ("peft LoRA forward", {"rollout": False, "plain": "qlora_linear"},
+             "training and scoring through peft's own 4-bit LoRA forward (clone, scale, add), not "
+             "hybridcore/qlora_linear.py's one function"),
+            ("transformers RMSNorm", {"rollout": False, "plain": "rmsnorm"},
+             "training and scoring through transformers' RMSNorm (eight kernels), not hybridcore/rmsnorm.py's one"),
             ("transformers generate (peer)", {"backend": "hf"}, "the rollout through transformers' generate (dynamic "
                                                                 "cache) on the same 4-bit + LoRA model: a peft user's")]
 GRPO_ROWS = ("micro-batch 4", "optimizer offload on", "optimizer states on the host", "bitsandbytes 4-bit decode")
