@@ -18,7 +18,6 @@ tests/hybridcore/decode_attention_worker.py runs in a process of its own for tha
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -40,11 +39,6 @@ def unsupported(head_dim: int, group: int) -> str | None:
     if not 1 <= group <= MAX_GROUP:
         return f"{group} query heads per KV head, expected 1 to {MAX_GROUP}"
     return None
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernels can run on `device`: CUDA, or any device under Triton's interpreter (the tests)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, filled: torch.Tensor,

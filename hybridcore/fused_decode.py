@@ -22,12 +22,12 @@ decoder layer's `layer_idx` then forced a recompile of the rest, past dynamo's l
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
 from hybridcore import nf4
 from hybridcore.adapters import linear4bit_layers, lora_adapter, lora_wrappers
+from hybridcore.triton_device import runs_on
 
 # the decode batches, in rows, sent through the fused kernel (bench/nf4_decode.py, H100: the 8B decoder's 224
 # linears take 5.7 ms at 8 and 16 rows against bitsandbytes' 11.6, which dequantises the whole weight for more than
@@ -238,7 +238,7 @@ class FusedNf4Decode:
 
     def enter(self) -> dict[str, int]:
         device = self.layers[0].weight.device
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not runs_on(device):
             raise RuntimeError("engine.rollout.decode_4bit=fused runs its Triton kernel on CUDA (on a CPU only under "
                                "Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or bitsandbytes")
         weights = {id(layer): nf4.NF4Weight.from_bnb(layer.weight) for layer in self.layers}

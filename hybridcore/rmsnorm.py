@@ -18,11 +18,10 @@ fine-tuning: this backward computes no weight gradient), rows wider than MAX_HID
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hybridcore.models import set_forward
+from hybridcore.triton_device import runs_on
 
 MAX_HIDDEN = 16384  # one row in one program's registers (Llama-3-70B's hidden size is 8,192)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,11 +36,6 @@ def llama_form(module: torch.nn.Module) -> bool:
     return (code is not None and (code.co_code, code.co_consts, code.co_names) == (ref.co_code, ref.co_consts,
                                                                                    ref.co_names)
             and isinstance(weight, torch.Tensor) and weight.dim() == 1 and hasattr(module, "variance_epsilon"))
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernels run on `device`: CUDA, or any device under Triton's interpreter (the tests)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _launch(x: torch.Tensor) -> dict:

@@ -30,6 +30,7 @@ from hybridcore.batch import position_ids
 from hybridcore.quant import is_quantized
 from hybridcore.sampling import draw
 from hybridcore.tensor_parallel import head_shape, local_kv_heads, tp_state
+from hybridcore.triton_device import runs_on
 
 ATTENTION = "hybrid_rollout"
 ATTENTIONS = ("auto", "sdpa", "filled")  # NativeRollout(attention=...): auto = filled on CUDA, else sdpa
@@ -53,7 +54,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     Hkv, L = key.shape[1], attention_mask.shape[-1]
     g = H // Hkv
     q = query.reshape(B, Hkv, g * Q, D)  # head h = kv * g + r, so rows are (r, q) with r major
-    if filled is not None and Q == 1 and not dropout and decode_attention.runs_on(query.device):
+    if filled is not None and Q == 1 and not dropout and runs_on(query.device):
         out = decode_attention.attend(q, key[:, :, :L], value[:, :, :L], attention_mask.reshape(B, L), filled,
                                       D ** -0.5 if scaling is None else scaling)
         return out.reshape(B, H, Q, D).transpose(1, 2), None
@@ -397,7 +398,7 @@ class NativeRollout:
             if self.attention == "filled":
                 raise ValueError(f"native rollout: attention='filled' cannot take this model's heads: {problem}")
             return "sdpa"
-        if not decode_attention.runs_on(device):
+        if not runs_on(device):
             raise RuntimeError("native rollout: attention='filled' runs a Triton kernel on CUDA (on a CPU only "
                                "under Triton's interpreter, TRITON_INTERPRET=1: tests); expected a GPU, or 'sdpa'")
         dtype = next(self.model.parameters()).dtype  # the KV cache's (StaticKVCache.allocate)

@@ -26,20 +26,16 @@ tests/hybridcore/sampling_worker.py runs in a process of its own for that).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
+
+from hybridcore.triton_device import runs_on
 
 # 1,024 logits a step of a program, 4 programs an SM at least: the figures above; block and split not tuned
 DEFAULTS = dict(block=1024, num_warps=4, programs_per_sm=4)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _BROKEN: str | None = None  # why the kernel failed in this process, once it has (then every call takes torch's path)
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel can run on `device`: CUDA, or any device under Triton's interpreter (the tests)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_applies(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> bool:

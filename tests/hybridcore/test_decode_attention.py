@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridcore import decode_attention
+from hybridcore.triton_device import runs_on
 from tests.hybridcore.decode_attention_worker import CASES, NEW_TOKENS, PROMPTS
 from tests.hybridcore.interpreted import run_interpreted
 
@@ -111,6 +112,6 @@ def test_bad_calls_are_refused(kwargs, message):
 
 def test_runs_on_cuda_or_under_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert decode_attention.runs_on(torch.device("cuda")) and not decode_attention.runs_on(torch.device("cpu"))
+    assert runs_on(torch.device("cuda")) and not runs_on(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert decode_attention.runs_on(torch.device("cpu"))
+    assert runs_on(torch.device("cpu"))
