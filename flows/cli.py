@@ -108,11 +108,10 @@ def cmd_run(args) -> int:
     if args.no_cache:
         args.force_stage = list(STAGES)
     params = load_params(args.params, overrides)
-    preflight(params)
     from flows.server import api_server
     t0 = time.time()
-    with api_server():
-        from flows.pipeline import rlhf  # Prefect, torch and MLflow load only once the inputs are known good
+    with api_server(meanwhile=lambda: preflight(params)):  # the checks (and their imports) while Prefect starts
+        from flows.pipeline import rlhf
         if not args.debug:
             for handler in logging.getLogger("prefect").handlers + logging.getLogger().handlers:
                 handler.addFilter(_ShortInputErrors())

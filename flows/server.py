@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -52,8 +53,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the Prefect server at {url} was not healthy after {timeout:.0f} s")
 
 
-def start(port: int | None = None, ui: bool = False, ephemeral: bool = True, log=None) -> tuple[subprocess.Popen, str]:
-    """Start the Prefect API (and UI when asked) on 127.0.0.1; returns (process, API url)."""
+def start(port: int | None = None, ui: bool = False, ephemeral: bool = True, log=None, wait: bool = True
+          ) -> tuple[subprocess.Popen, str]:
+    """Start the Prefect API (and UI when asked) on 127.0.0.1; returns (process, API url). wait=False returns as
+    soon as the process is started: call ready() before using the url."""
     port = port or free_port()
     app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -67,27 +70,43 @@ def start(port: int | None = None, ui: bool = False, ephemeral: bool = True, log
                              "--log-level", "error", "--lifespan", "on"],
                             env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{port}/api"
-    wait_healthy(url, proc, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
+    if wait:
+        ready(url, proc)
     return proc, url
 
 
-def stop(proc: subprocess.Popen) -> None:
+def ready(url: str, proc: subprocess.Popen) -> None:
+    """Wait until the server started by start() answers (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 90)."""
+    wait_healthy(url, proc, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
+
+
+def stop(proc: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `grace` seconds."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
 
 @contextlib.contextmanager
-def api_server():
-    """PREFECT_API_URL for the duration: the user's own server if set, else one of ours."""
+def api_server(meanwhile: Callable[[], object] = lambda: None):
+    """PREFECT_API_URL for the duration: the user's own server if set, else one of ours. `meanwhile()` runs while
+    ours starts up (its ~4 s of imports and database set-up take the other core); if it raises, the server is
+    stopped and the error goes on."""
     if os.environ.get("PREFECT_API_URL"):
+        meanwhile()
         yield os.environ["PREFECT_API_URL"]
         return
-    proc, url = start()
+    proc, url = start(wait=False)
+    try:
+        meanwhile()
+        ready(url, proc)
+    except BaseException:  # a server still starting finishes its start-up before a SIGTERM stops it (~8 s)
+        stop(proc, grace=1)
+        raise
     os.environ["PREFECT_API_URL"] = url
     try:
         yield url
