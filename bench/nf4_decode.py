@@ -45,10 +45,6 @@ TINY = {"q": (80, 128), "k": (16, 128), "v": (16, 128), "o": (128, 128), "gate":
 # (gemv with 256 columns a step, 2 rows a thread at 8 rows of x) are left out.
 CONFIGS = [
     ("auto", {}, (1, 8, 16, 64)),  # what the rollout would get: kernel by batch (nf4.GEMV_MAX_M), all defaults
-    # two steps' loads in flight a program, not one: ~1 TB/s of 4-bit bytes is what ~4 programs an SM with 4 KB in
-    # flight each sustain at HBM latency (per_projection, 2026-12-07 13:23); slower: 6.67 against 5.68 ms (H100,
-    # RESULTS 2026-12-07 22:45)
-    ("nibble_dot_ahead2", dict(kernel="nibble_dot", ahead=2), (8, 16)),
     ("scaled_dot", dict(kernel="scaled_dot"), (8, 16, 64)),  # one MMA per 256 columns, levels scaled before it
     # hybridcore/nf4_lut.py: levels looked up in shared memory (a 256-entry pair table / the 16-entry code), one MMA
     # per quantisation block scaled after it, the next block's loads issued a step ahead; untimed until these rows

@@ -92,9 +92,9 @@ DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             "dot": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
             "scaled_dot": dict(block_n=64, block_k=128, num_warps=4, num_stages=1),
             # 128 rows of W a program, one quantisation block a step; block_k only sizes the splits of K: 256
-            # gives k and v 16 splits of 4 steps, not 64 of one; ahead=2 was slower (H100, 6.67 vs 5.68 ms a step)
-            "pair_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1, ahead=1),
-            "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1, ahead=1)}
+            # gives k and v 16 splits of 4 steps, not 64 of one
+            "pair_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1),
+            "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1)}
 KERNELS = ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot")
 LUT_KERNELS = ("pair_dot", "nibble_dot")  # hybridcore/nf4_lut.py's nf4_lut_dot, levels looked up in shared memory
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
@@ -105,8 +105,7 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
            block_k: int | None = None, block_m: int | None = None, vec: int | None = None,
            split_k: int | str = "auto", reduce: str = "serial", num_warps: int | None = None,
            num_stages: int | None = None, lookup: str = "table",
-           lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-           ahead: int | None = None) -> torch.Tensor:
+           lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
     kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it),
@@ -122,19 +121,16 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     device, one per output tile: calls that split K must not run concurrently on two streams.
     lora: (u [..., R], lora_b [N, R], scale fp32 [1]) adds (u @ lora_b^T) * scale to the product, u being x @ lora_a^T
     (a LoRA adapter's first product, computed by the caller), in fp32 before the result is rounded to x's dtype:
-    inside the kernel for pair_dot and nibble_dot (the first split of each tile adds it), in torch after the others.
-    ahead (pair_dot, nibble_dot): quantisation blocks whose loads a program has in flight while it multiplies one,
-    1 or 2."""
+    inside the kernel for pair_dot and nibble_dot (the first split of each tile adds it), in torch after the others."""
     return group_matmul(x, [w], kernel, block_n, block_k, block_m, vec, split_k, reduce, num_warps, num_stages, lookup,
-                        None if lora is None else [lora], ahead)
+                        None if lora is None else [lora])
 
 
 def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None = None, block_n: int | None = None,
                  block_k: int | None = None, block_m: int | None = None, vec: int | None = None,
                  split_k: int | str = "auto", reduce: str = "serial", num_warps: int | None = None,
                  num_stages: int | None = None, lookup: str = "table",
-                 loras: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                 ahead: int | None = None) -> torch.Tensor:
+                 loras: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """x [..., K] @ [W_0; W_1; ...]^T -> [..., N_0 + N_1 + ...]: matmul of up to MAX_GROUP weights that take the
     same x (an attention's q/k/v, an MLP's gate/up), their outputs side by side, with one (u, lora_b, scale) `loras`
     entry each or none. One launch for all of them where the kernel is a LUT kernel and every member but the last
@@ -149,7 +145,7 @@ def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None =
     m = x.reshape(-1, x.shape[-1]).shape[0]
     kernel = kernel or ("gemv" if m <= GEMV_MAX_M else "nibble_dot" if m <= NIBBLE_DOT_MAX_M else "dot")
     given = dict(block_n=block_n or _group_rows(weights, kernel), block_k=block_k, num_warps=num_warps,
-                 num_stages=num_stages, ahead=ahead)
+                 num_stages=num_stages)
     cfg = {**DEFAULTS.get(kernel, {}), **{key: v for key, v in given.items() if v is not None}}
     bm = block_m or (min(_pow2(m), 8) if kernel == "gemv" else min(max(_pow2(m), 16), 64))  # dots: 16 to 64
     cfg.update(block_m=bm, vec=vec or (16 if bm <= 4 else 8), split_k=split_k, reduce=reduce, lookup=lookup)
@@ -160,7 +156,7 @@ def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None =
             _check_lora(x, w, *lora)
     if len(weights) > 1 and not _one_launch(weights, kernel, cfg["block_n"], loras):
         return torch.cat([matmul(x, w, kernel, block_n, block_k, block_m, vec, split_k, reduce, num_warps, num_stages,
-                                 lookup, lora, ahead) for w, lora in zip(weights, loras)], dim=-1)
+                                 lookup, lora) for w, lora in zip(weights, loras)], dim=-1)
     lead, x2, bn, bk = x.shape[:-1], x.reshape(-1, k).contiguous(), cfg["block_n"], cfg["block_k"]
     if m == 0:
         return x.new_empty(*lead, n)
@@ -178,7 +174,7 @@ def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None =
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
-        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32, AHEAD=cfg["ahead"],
+        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32,
                      **_lora_arguments(loras[0]), **_member_arguments(weights, loras, bn))
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x2, w.packed, w.absmax, *_outer(w), w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,
@@ -267,9 +263,6 @@ def _check(x, w, kernel, cfg) -> None:
          f"vec {cfg['vec']}, expected a power of two from 4 to 16 (at most half the quantisation block)"),
         (cfg["split_k"] != "auto" and not (isinstance(cfg["split_k"], int) and cfg["split_k"] >= 1),
          f"split_k {cfg['split_k']!r}, expected a positive int or 'auto'"),
-        (cfg.get("ahead") not in (None, 1, 2) or (cfg.get("ahead") is not None and kernel not in LUT_KERNELS
-                                                   and cfg["ahead"] != 1),
-         f"ahead {cfg.get('ahead')!r}, expected 1 or 2 (pair_dot and nibble_dot only)"),
         (n * k >= 2 ** 31, f"weight of {n * k} elements: 2**31 or more overflow the kernels' int32 offsets"),
     ]
     for bad, message in problems:

@@ -72,11 +72,11 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
               ROW_BYTES, PER_SPLIT, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
               PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA: tl.constexpr,
-              R_PAD: tl.constexpr, AHEAD: tl.constexpr):
+              R_PAD: tl.constexpr):
     """nf4_lut_dot's product for weight rows rn (rows at or past N are none) and x rows rm over this program's split
-    of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet. AHEAD (1 or
-    2): the steps whose global loads are in flight while one is multiplied (a program's bytes in flight, which
-    bound its bandwidth where few programs fit an SM)."""
+    of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet. The next
+    step's global loads are in flight while one is multiplied (two steps ahead was slower on an H100: 6.67 against
+    5.68 ms for the 8B decoder's linears, bench/RESULTS.md 2026-12-07 22:45; the registers cost programs an SM)."""
     start = tl.program_id(2) * PER_SPLIT
     end = tl.minimum(start + PER_SPLIT, ROW_BYTES)
     dtype = x_ptr.dtype.element_ty
@@ -87,22 +87,16 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     byte, scale, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm, start, end,
                                      M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
-    if AHEAD == 2:  # the step after next too; at the loop's end it moves up a place
-        byte1, scale1, xv1 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm,
-                                            start + HB, end, M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
     for kb in range(start, end, HB):
         byte2, scale2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm,
-                                            kb + AHEAD * HB, end, M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+                                            kb + HB, end, M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
         w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype)
         if UPCAST:  # see nf4_dot
             part = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
         else:
             part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
         acc += part * scale[:, None]
-        if AHEAD == 2:
-            byte, scale, xv, byte1, scale1, xv1 = byte1, scale1, xv1, byte2, scale2, xv2
-        else:
-            byte, scale, xv = byte2, scale2, xv2
+        byte, scale, xv = byte2, scale2, xv2
     if LORA:
         if tl.program_id(2) == 0:
             acc += _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD)
@@ -129,12 +123,11 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
                 LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16, GROUP: tl.constexpr = 1, T1=0, T2=0,
                 w_ptr1=None, absmax_ptr1=None, absmax2_ptr1=None, code2_ptr1=None, offset_ptr1=None, u_ptr1=None,
                 lora_b_ptr1=None, scale_ptr1=None, w_ptr2=None, absmax_ptr2=None, absmax2_ptr2=None,
-                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None,
-                AHEAD: tl.constexpr = 1):
+                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None):
     """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
     step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
-    the MMA's wide operand, as in nf4_dot. Each step's global loads are issued AHEAD steps ahead (in registers), so
-    that a program has the next blocks' bytes in flight while it looks up and multiplies this one. PAIRS: the
+    the MMA's wide operand, as in nf4_dot. Each step's global loads are issued a step ahead (in registers), so
+    that a program has the next block's bytes in flight while it looks up and multiplies this one. PAIRS: the
     256-entry pair table (16-bit x only; fp32 x takes the 16-entry one). LORA: the first split of each tile also
     adds a LoRA delta, (lora_b [N, R] @ u^T [R, M]) * scale, u = x @ lora_a^T computed by the caller, in fp32
     before the splits meet: the adapter's B product and its add are no launches of their own.
@@ -159,5 +152,5 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
         first = 0
     acc = _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn - first, rm, M,
                     N - first, stride_xm, ROW_BYTES, PER_SPLIT, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
-                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD, AHEAD)
+                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)

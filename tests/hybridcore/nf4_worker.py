@@ -67,9 +67,7 @@ def errors_of_bad_calls(nf4, torch) -> dict:
              "lut_lookup": lambda: nf4.matmul(x, w, kernel="pair_dot", lookup="select"),
              "lora_b": lambda: nf4.matmul(x, w, lora=(torch.zeros(2, 8), torch.zeros(8, 64), torch.ones(1))),
              "lora_u": lambda: nf4.matmul(x, w, lora=(torch.zeros(3, 8), torch.zeros(64, 8), torch.ones(1))),
-             "lora_scale": lambda: nf4.matmul(x, w, lora=(torch.zeros(2, 8), torch.zeros(64, 8), torch.ones(2))),
-             "ahead": lambda: nf4.matmul(x, w, kernel="nibble_dot", ahead=3),
-             "dot_ahead": lambda: nf4.matmul(x, w, kernel="dot", ahead=2)}
+             "lora_scale": lambda: nf4.matmul(x, w, lora=(torch.zeros(2, 8), torch.zeros(64, 8), torch.ones(2)))}
     out = {}
     for name, call in calls.items():
         try:
@@ -103,10 +101,9 @@ def split_errors(nf4, torch) -> dict:
     x = torch.randn(8, 10 * 64, generator=torch.Generator().manual_seed(7))
     ref = x @ want.T
     out = {}
-    for kernel in ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot", "nibble_dot_ahead2"):
+    for kernel in ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"):
         for split in (5, 10):
-            kwargs = dict(kernel="nibble_dot", ahead=2) if kernel.endswith("ahead2") else dict(kernel=kernel)
-            got = nf4.matmul(x, w, block_k=64, split_k=split, **kwargs)
+            got = nf4.matmul(x, w, block_k=64, split_k=split, kernel=kernel)
             out[f"{kernel}-split{split}"] = float((got - ref).abs().max() / ref.abs().max())
     return out
 

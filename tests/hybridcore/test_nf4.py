@@ -55,11 +55,11 @@ def test_fused_matmul_adds_a_lora_delta(results, kernel, m, r, dtype, split):
     assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), err
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot", "nibble_dot_ahead2"])
+@pytest.mark.parametrize("kernel", ["gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"])
 @pytest.mark.parametrize("split", [5, 10])
 def test_many_splits_meet_in_the_kernel(results, kernel, split):
     """K split 5 and 10 ways: the last split's program adds every partial (its loads unrolled four a turn). fp32 x:
-    the sum's order only. ahead2: two steps' loads in flight, each split of one or two steps."""
+    the sum's order only."""
     assert 0 <= results["split_err"][f"{kernel}-split{split}"] <= 1e-5
 
 
@@ -92,7 +92,6 @@ def test_leading_dimensions(results):
     ("lookup", "lookup 'gather'"), ("split_k", "split_k 0"), ("dtype", "expected a float dtype"),
     ("vec", "vec 32, expected a power of two from 4 to 16"), ("lut_lookup", "lookup 'select': pair_dot has its own"),
     ("lora_b", "lora_b is (8, 64), expected (64, 8)"), ("lora_u", "expected x's rows (2,)"),
-    ("lora_scale", "one-element float32"), ("ahead", "ahead 3, expected 1 or 2"),
-    ("dot_ahead", "ahead 2, expected 1 or 2 (pair_dot and nibble_dot only)")])
+    ("lora_scale", "one-element float32")])
 def test_bad_calls_are_refused(results, call, message):
     assert message in results["bad_calls"][call]

@@ -82,9 +82,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch):
             compile_launch(fn, args, kwargs, reduce)
         except Exception as e:  # noqa: BLE001 -- every failing launch is reported, not just the first
             failures.append(failure(f"{kernel} batch {m}, nested {nested}, {dtype}, reduce {reduce}, rank {rank}", e))
-    # group_matmul's one launch for three members (q/k/v), each with its LoRA delta, two steps' loads in flight
+    # group_matmul's one launch for three members (q/k/v), each with its LoRA delta
     w = weight(N, K, seed=0)[0]
-    nf4.group_matmul(torch.zeros(8, K, dtype=torch.bfloat16), [w, w, w], kernel="nibble_dot", ahead=2,
+    nf4.group_matmul(torch.zeros(8, K, dtype=torch.bfloat16), [w, w, w], kernel="nibble_dot",
                      loras=[(torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(N, 16, dtype=torch.bfloat16),
                              torch.ones(1))] * 3)
     fn, args, kwargs = recorded.pop()
