@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from hybridcore.artifacts import read_verified
-from tests.conftest import ONE_THREAD, ROOT, Started, assert_learns, run_cli
+from tests.conftest import ROOT, assert_learns, run_cli
 
 STAGES = ("sft", "reward", "ppo", "evaluate")
 
@@ -108,34 +108,3 @@ def test_mlflow_parent_and_nested_stage_runs(tiny_run):
         assert len(client.get_metric_history(by_stage["ppo"].info.run_id, name)) > 1, name
     assert by_stage["sft"].data.tags["cache_hit"] == "false"
 
-
-def test_grpo_and_dpo_recipes_through_the_cli(tiny_run):
-    """The tiny-grpo and tiny-dpo presets through the CLI beside the default run: SFT is the same cache hit, no RM
-    stage runs, --summary-json and the table name the policy stage (stages.dpo.artifact), and the policy beats SFT
-    by >= 10 points of task accuracy. The two runs go together (one thread each), each from its own folder over the
-    default run's artifacts folder."""
-    verifier = f"{ROOT / 'stages' / 'example_reward.py'}:correct"  # the preset's path is relative to the repo root
-    recipes = (("tiny-grpo", "ppo", ["--set", f"ppo.reward_function={verifier}"]), ("tiny-dpo", "dpo", []))
-    artifacts = ["--set", f"pipeline.artifacts_dir={tiny_run.workdir / 'artifacts'}"]
-    runs = {}
-    try:
-        for preset, _, extra in recipes:
-            (tiny_run.workdir / preset).mkdir()
-            runs[preset] = Started(["run", preset, *extra, *artifacts, "--summary-json", "summary.json"],
-                                   tiny_run.workdir / preset, "run", extra_env=ONE_THREAD)
-        for preset, policy, _ in recipes:
-            proc = runs[preset].result(timeout=1200)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            s = json.loads((tiny_run.workdir / preset / "summary.json").read_text())["stages"]
-            assert list(s) == ["sft", policy, "evaluate"]
-            assert s["sft"]["cached"] and s["sft"]["key"] == tiny_run.summary["stages"]["sft"]["key"]
-            assert Path(s[policy]["artifact"]) == tiny_run.workdir / "artifacts" / policy / s[policy]["key"]
-            assert read_verified(Path(s["evaluate"]["artifact"]))["inputs"] == {"sft": s["sft"]["key"],
-                                                                                 policy: s[policy]["key"]}
-            ev = s["evaluate"]["metrics"]
-            assert ev[f"{policy}_accuracy"] >= ev["sft_accuracy"] + 0.10, ev
-            assert "sft_reward" not in ev and f"{policy}_reward" not in ev  # no reward model in these recipes
-            assert f"-> {policy.upper()} " in proc.stdout
-    finally:
-        for started in runs.values():
-            started.stop()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from hybridcore.artifacts import read_verified
 from tests import tasks
 from tests.conftest import ONE_THREAD, ROOT, PipelineRun, Started, assert_learns
 
@@ -196,9 +197,10 @@ def judge(run: PipelineRun, fresh: dict[str, Path], conversational: bool) -> Non
 def test_count_with_grpo_and_dpo_judged_by_plain_transformers(count_run):
     """The other recipes on the held-out task with their presets' settings (tiny-grpo: a verifier of the user's own,
     exact match on the `answer` column, no RM; tiny-dpo: the user's preference pairs): SFT is count_run's cache
-    hit, and on fresh prompts each exported policy beats SFT's greedy answers by >= 5 points of exact match under
-    plain transformers. The two runs go together (one thread each, each in its own folder over count_run's
-    artifacts folder)."""
+    hit, no RM stage runs, --summary-json and the table name the policy stage (stages.dpo.artifact), and on fresh
+    prompts each exported policy beats SFT's greedy answers by >= 5 points of exact match under plain
+    transformers. The two runs go together (one thread each, each in its own folder over count_run's artifacts
+    folder)."""
     verifier = count_run.workdir / "exact.py"
     verifier.write_text("def exact(prompts, responses, rows):\n"
                         "    return [float(' '.join(r.split()) == ' '.join(str(row['answer']).split()))\n"
@@ -220,7 +222,13 @@ def test_count_with_grpo_and_dpo_judged_by_plain_transformers(count_run):
             proc = runs[preset].result(timeout=1200)
             assert proc.returncode == 0, proc.stderr[-3000:]
             s = json.loads((count_run.workdir / preset / "summary.json").read_text())["stages"]
+            assert list(s) == ["sft", policy, "evaluate"]
             assert s["sft"]["cached"] and s["sft"]["key"] == count_run.summary["stages"]["sft"]["key"]
+            assert Path(s[policy]["artifact"]) == count_run.workdir / "artifacts" / policy / s[policy]["key"]
+            assert read_verified(Path(s["evaluate"]["artifact"]))["inputs"] == {"sft": s["sft"]["key"],
+                                                                                policy: s[policy]["key"]}
+            assert "sft_reward" not in s["evaluate"]["metrics"] and f"{policy}_reward" not in s["evaluate"]["metrics"]
+            assert f"-> {policy.upper()} " in proc.stdout
             answers = plain_answers(Path(s[policy]["artifact"]) / "model", [q["prompt"] for q in prompts], 24)
             acc = {name: sum(normalised(a) == normalised(q["answer"]) for a, q in zip(out, prompts)) / len(prompts)
                    for name, out in (("sft", sft), (policy, answers))}

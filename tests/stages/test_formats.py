@@ -103,6 +103,21 @@ def test_known_columns_cover_both_formats():
     assert json.dumps(formats.KNOWN)  # plain data, printable in an error line
 
 
+def test_the_example_verifier_scores_the_builtin_tasks_answers(tmp_path):
+    """stages/example_reward.py:correct (tiny-grpo's ppo.reward_function, copied beside the example files): 1.0
+    for a response whose first integer is the row's answer, 0.0 for a near miss or no number."""
+    from stages import example_files, user_code
+    from stages.params import load_params
+    paths = example_files.write(tmp_path, load_params("test"), False)
+    rows = [json.loads(x) for x in paths["prompts"].read_text().splitlines()][:8]
+    correct = user_code.load(f"{tmp_path / 'reward.py'}:correct", "ppo.reward_function")
+    prompts = [r["prompt"] for r in rows]
+    right = [f" {r['answer']}" for r in rows]
+    assert correct(prompts, right, rows) == [1.0] * len(rows)
+    assert correct(prompts, [f" {int(r['answer']) + 1}" for r in rows], rows) == [0.0] * len(rows)
+    assert correct(prompts[:1], [" no number"], rows[:1]) == [0.0]
+
+
 @pytest.mark.parametrize("conversational", [False, True])
 def test_example_files_of_the_builtin_task_load(tmp_path, conversational):
     """`hybrid-rlhf example-data` writes the built-in task in either format; each file reads back in that format
