@@ -84,7 +84,11 @@ def compile_launch(fn, args, kwargs):
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
     signature, constants, attrs = {}, dict(kwargs), {}
-    for i, (param, value) in enumerate(zip(fn.params, args)):
+    for i, param in enumerate(fn.params):
+        if param.is_constexpr:
+            constants.setdefault(param.name, param.default)
+            continue
+        value = args[i] if i < len(args) else constants.pop(param.name, param.default)  # unpassed: the default
         kind, attr = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize, True)
         if kind == "constexpr":
             constants[param.name] = attr
