@@ -50,10 +50,6 @@ CONFIGS = [
     # per quantisation block scaled after it, the next block's loads issued a step ahead; untimed until these rows
     ("pair_dot", dict(kernel="pair_dot"), (8, 16, 64)),
     ("nibble_dot", dict(kernel="nibble_dot"), (8, 16, 64)),
-    # pair_dot's table in 4 / 32 copies, a lane reading its own (fewer / no bank conflicts; but Triton stores the
-    # table to shared memory every step: 4 / 64 stores a thread a step, bench/nf4_ptx.py)
-    ("pair_dot_c4", dict(kernel="pair_dot", copies=4), (8,)),
-    ("pair_dot_c32", dict(kernel="pair_dot", copies=32), (8,)),
     ("nibble_dot_w8", dict(kernel="nibble_dot", num_warps=8), (8,)),  # 128 rows on 8 warps: half the registers
     ("pair_dot_n256_w8", dict(kernel="pair_dot", block_n=256, num_warps=8), (8, 16)),
     ("nibble_dot_n256_w8", dict(kernel="nibble_dot", block_n=256, num_warps=8), (8, 16)),

@@ -55,13 +55,33 @@ def _weight_bytes(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, kb,
 def _scales(absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, block, ok, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
     """The fp32 absmax of quantisation blocks `block` (any shape; 0 where not ok). NESTED: a uint8 code into code2,
     times the absmax2 of its BLOCK2 absmax, plus *offset_ptr, as bitsandbytes resolves it."""
+    q, outer = _scale_loads(absmax_ptr, absmax2_ptr, block, ok, NESTED, BLOCK2)
+    return _resolve_scales(q, outer, code2_ptr, offset_ptr, ok, NESTED)
+
+
+@triton.jit
+def _scale_loads(absmax_ptr, absmax2_ptr, block, ok, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """_scales' global loads, none depending on another: (the uint8 code as int32, its absmax2) when NESTED, else
+    (the fp32 absmax, a placeholder). nf4_lut issues them a step before _resolve_scales reads code2 at the code, so
+    that no load waits for another's value inside a step."""
     if NESTED:  # one return after the if: Triton types every return of a function, constexpr branches included
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0)
+        outer = tl.load(absmax2_ptr + block // BLOCK2, mask=ok, other=0.0)
+    else:
+        q = tl.load(absmax_ptr + block, mask=ok, other=0.0)
+        outer = q
+    return q, outer
+
+
+@triton.jit
+def _resolve_scales(q, outer, code2_ptr, offset_ptr, ok, NESTED: tl.constexpr):
+    """The fp32 absmax of _scale_loads' values (0 where not ok)."""
+    if NESTED:
+        scale = tl.load(code2_ptr + q) * outer
         scale += tl.load(offset_ptr)  # a tensor, not a float argument: torch.compile passes those as fp64
         scale = tl.where(ok, scale, 0.0)
     else:
-        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
+        scale = q
     return scale
 
 

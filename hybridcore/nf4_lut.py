@@ -16,33 +16,29 @@ gather's result)."""
 import triton
 import triton.language as tl
 
-from hybridcore.nf4_kernels import _finish, _weight_bytes
+from hybridcore.nf4_kernels import _finish, _resolve_scales, _scale_loads
 
 
 @triton.jit
-def _pair_table(code_ptr, dtype: tl.constexpr, COPIES: tl.constexpr):
+def _pair_table(code_ptr, dtype: tl.constexpr):
     """For every byte b, the levels of its two nibbles rounded to dtype (16-bit), packed as int32: code[b >> 4] (the
-    even column) in the low half, code[b & 15] in the high half, the order of two consecutive elements in a register;
-    COPIES copies of each entry side by side (entry b's copy c at b * COPIES + c: see _levels)."""
-    b = tl.arange(0, 256 * COPIES) // COPIES
+    even column) in the low half, code[b & 15] in the high half, the order of two consecutive elements in a register."""
+    b = tl.arange(0, 256)
     even = tl.load(code_ptr + (b >> 4)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     odd = tl.load(code_ptr + (b & 15)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
     return even | (odd << 16)
 
 
 @triton.jit
-def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr, dtype: tl.constexpr,
-            COPIES: tl.constexpr):
+def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr, dtype: tl.constexpr):
     """The unscaled levels [BLOCK_N, 2 * HB] in dtype of the bytes [BLOCK_N, HB], in column order. The gathers are
     1-D: Triton lowers those through shared memory and leaves the index's layout alone (a 2-D tl.gather gets a
-    layout of its own, warp shuffles, and costs conversions of the bytes and of the levels). The pair table's
-    COPIES: a thread holds 16 consecutive bytes (one 16-byte load), so the i-th byte of every lane of a warp is
-    flat index 16 * lane + i (mod 512): lane l reads copy l % COPIES, in bank (b * COPIES + l) % 32, and with 32
-    copies a warp's 32 lookups are in 32 banks whatever the bytes (one copy: ~3 lanes a bank for random bytes)."""
+    layout of its own, warp shuffles, and costs conversions of the bytes and of the levels). The pair table in 4
+    or 32 copies, each lane reading its own (fewer or no bank conflicts), was no faster: 6.07 and 6.18 ms against
+    6.06 (bench/RESULTS.md 2026-12-08), Triton storing a gather's table to shared memory at every step."""
     flat = tl.reshape(byte.to(tl.int32), (BLOCK_N * HB,))
     if PAIRS:
-        copy = (tl.arange(0, BLOCK_N * HB) >> 4) % COPIES
-        pair = tl.reshape(tl.gather(table, flat * COPIES + copy, 0), (BLOCK_N, HB))
+        pair = tl.reshape(tl.gather(table, flat, 0), (BLOCK_N, HB))
         even = pair.to(tl.int16).to(dtype, bitcast=True)
         odd = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
     else:
@@ -52,15 +48,17 @@ def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.cons
 
 
 @triton.jit
-def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm, kb, end, M, N, stride_xm,
-                   ROW_BYTES, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb, end, M, N, stride_xm, ROW_BYTES,
+                   HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
     """The global loads of one step, the quantisation block at byte kb of rows rn (nothing past `end`: masked to
-    zeros, scale 0): its bytes [BLOCK_N, HB], absmax [BLOCK_N] and x's 2 * HB columns [BLOCK_M, 2 * HB]."""
-    byte, scale = _weight_bytes(w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, kb, end, N, ROW_BYTES, HB,
-                                HB, NESTED, BLOCK2)
+    zeros): its bytes [BLOCK_N, HB], the parts of its absmax [BLOCK_N] (nf4_kernels._scale_loads: none waits for
+    another) and x's 2 * HB columns [BLOCK_M, 2 * HB]."""
+    ok = rn < tl.where(kb < end, N, 0)
+    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + kb + tl.arange(0, HB)[None, :], mask=ok[:, None], other=0)
+    q, outer = _scale_loads(absmax_ptr, absmax2_ptr, rn * (ROW_BYTES // HB) + kb // HB, ok, NESTED, BLOCK2)
     x_ok = rm[:, None] < tl.where(kb < end, M, 0)
     xv = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * kb + tl.arange(0, 2 * HB)[None, :], mask=x_ok, other=0.0)
-    return byte, scale, xv
+    return byte, q, outer, xv
 
 
 @triton.jit
@@ -78,7 +76,7 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
               ROW_BYTES, PER_SPLIT, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
               PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA: tl.constexpr,
-              R_PAD: tl.constexpr, COPIES: tl.constexpr):
+              R_PAD: tl.constexpr):
     """nf4_lut_dot's product for weight rows rn (rows at or past N are none) and x rows rm over this program's split
     of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet. The next
     step's global loads are in flight while one is multiplied (two steps ahead was slower on an H100: 6.67 against
@@ -87,22 +85,23 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
     end = tl.minimum(start + PER_SPLIT, ROW_BYTES)
     dtype = x_ptr.dtype.element_ty
     if PAIRS:
-        table = _pair_table(code_ptr, dtype, COPIES)
+        table = _pair_table(code_ptr, dtype)
     else:
         table = tl.load(code_ptr + tl.arange(0, 16))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    byte, scale, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm, start, end,
-                                     M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+    byte, q, outer, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, start, end, M, N, stride_xm,
+                                        ROW_BYTES, HB, NESTED, BLOCK2)
     for kb in range(start, end, HB):
-        byte2, scale2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, rn, rm,
-                                            kb + HB, end, M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
-        w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype, COPIES)
+        byte2, q2, outer2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb + HB, end, M, N,
+                                                stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+        scale = _resolve_scales(q, outer, code2_ptr, offset_ptr, rn < N, NESTED)  # kb < end here
+        w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype)
         if UPCAST:  # see nf4_dot
             part = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
         else:
             part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
         acc += part * scale[:, None]
-        byte, scale, xv = byte2, scale2, xv2
+        byte, q, outer, xv = byte2, q2, outer2, xv2
     if LORA:
         if tl.program_id(2) == 0:
             acc += _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD)
@@ -129,8 +128,7 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
                 LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16, GROUP: tl.constexpr = 1, T1=0, T2=0,
                 w_ptr1=None, absmax_ptr1=None, absmax2_ptr1=None, code2_ptr1=None, offset_ptr1=None, u_ptr1=None,
                 lora_b_ptr1=None, scale_ptr1=None, w_ptr2=None, absmax_ptr2=None, absmax2_ptr2=None,
-                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None,
-                COPIES: tl.constexpr = 1):
+                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None):
     """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
     step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
     the MMA's wide operand, as in nf4_dot. Each step's global loads are issued a step ahead (in registers), so
@@ -159,5 +157,5 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
         first = 0
     acc = _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn - first, rm, M,
                     N - first, stride_xm, ROW_BYTES, PER_SPLIT, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
-                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD, COPIES)
+                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)
