@@ -98,14 +98,16 @@ CONFIGS = [
 
 
 LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32",
-             "grouped+lora_epilogue")  # at 8 and 16 rows
+             "grouped+lora_epilogue", "grouped_pair+lora_epilogue")  # at 8 and 16 rows
 # rows whose linears that take one input run as one nf4.group_matmul (hybridcore/fused_decode.py's PACKED): q/k/v,
 # o, gate/up, down, 4 launches a layer instead of 7; with LoRA, u = x @ A^T one product a group (its SharedInput)
-GROUPED = {"grouped": False, "grouped+lora_epilogue": True}
+# (with LoRA, kernel: None is the batch's default, nibble_dot at 8-16 rows)
+GROUPED = {"grouped": (False, None), "grouped+lora_epilogue": (True, None), "grouped_pair": (False, "pair_dot"),
+           "grouped_pair+lora_epilogue": (True, "pair_dot")}
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 
 
-def grouped_step(weights: list, lora: bool):
+def grouped_step(weights: list, lora: bool, kernel: str | None = None):
     """xs (by width) -> the outputs of `weights` (layer after layer in SHAPES order) as GROUPED rows compute them:
     one group_matmul a group, its output sliced back into the members' (views)."""
     groups = []
@@ -121,7 +123,7 @@ def grouped_step(weights: list, lora: bool):
             if lora:
                 u, r = torch.nn.functional.linear(x, stack), members[0]["lora_a_x"].shape[0]
                 loras = [(u[:, i * r:(i + 1) * r], w["lora_b_x"], w["scale"]) for i, w in enumerate(members)]
-            y = nf4.group_matmul(x, [w["nf4"] for w in members], loras=loras)
+            y = nf4.group_matmul(x, [w["nf4"] for w in members], kernel=kernel, loras=loras)
             outs += list(y.split([w["nf4"].shape[0] for w in members], dim=-1))
         return outs
     return step
@@ -212,14 +214,14 @@ def run(a, weights, res: dict, graph: bool) -> None:
     t0, fns, path = time.time(), methods(CONFIGS), os.path.join(a.out, "nf4_decode.json")
     todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
     todo += [(b, name) for b in a.batches if b in (8, 16) and a.lora_rank for name in LORA_ROWS]
-    todo += [(b, "grouped") for b in a.batches if b in (8, 16)]
+    todo += [(b, name) for b in a.batches if b in (8, 16) for name in ("grouped", "grouped_pair")]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
         if name not in ("bnb", "bf16", *LORA_ROWS, *GROUPED) and time.time() - t0 > a.budget_s:
             res["skipped"].append(f"{name}@{b}")
             continue
         try:
-            step = grouped_step(weights, GROUPED[name]) if name in GROUPED else None
+            step = grouped_step(weights, *GROUPED[name]) if name in GROUPED else None
             row = measure(fns.get(name), weights, b, graph, lora=name in LORA_ROWS, step=step)
             row["ok"] = name == "bf16" or max(row["err_eager"], row.get("err_graph", 0.0)) < 0.02
             row["gb_per_s"] = res["int4_bytes"] / row["ms"] / 1e6  # NF4 bytes (+ absmax) over the step's time

@@ -80,7 +80,11 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
     """nf4_lut_dot's product for weight rows rn (rows at or past N are none) and x rows rm over this program's split
     of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet. The next
     step's global loads are in flight while one is multiplied (two steps ahead was slower on an H100: 6.67 against
-    5.68 ms for the 8B decoder's linears, bench/RESULTS.md 2026-12-07 22:45; the registers cost programs an SM)."""
+    5.68 ms for the 8B decoder's linears, bench/RESULTS.md 2026-12-07 22:45; the registers cost programs an SM).
+    A double-quantised absmax is resolved (code2 read at the uint8 code) when its step is used, not when it is
+    loaded, so that no load of the next step waits for another's value: on an H100, one machine, the rollout's
+    launches (grouped, LoRA epilogue) 6.03 -> 5.93 ms a step and pair_dot 6.06 -> 5.83, but grouped without LoRA
+    5.12 -> 5.27 (bench/RESULTS.md 2026-12-08); kept for the path the rollout runs."""
     start = tl.program_id(2) * PER_SPLIT
     end = tl.minimum(start + PER_SPLIT, ROW_BYTES)
     dtype = x_ptr.dtype.element_ty
