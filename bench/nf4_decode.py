@@ -51,6 +51,11 @@ CONFIGS = [
     ("pair_dot", dict(kernel="pair_dot"), (8, 16, 64)),
     ("nibble_dot", dict(kernel="nibble_dot"), (8, 16, 64)),
     ("nibble_dot_w8", dict(kernel="nibble_dot", num_warps=8), (8,)),  # 128 rows on 8 warps: half the registers
+    # two quantisation blocks a step, the levels scaled in fp32 before one MMA (untimed yet; bench/nf4_ptx.py: a
+    # third fewer barriers a byte, twice the instructions; 64 rows a program keep 128 registers for pair_dot2)
+    ("pair_dot2", dict(kernel="pair_dot2"), (8, 16)),
+    ("nibble_dot2", dict(kernel="nibble_dot2"), (8,)),
+    ("pair_dot2_n128", dict(kernel="pair_dot2", block_n=128), (8,)),
     ("pair_dot_n256_w8", dict(kernel="pair_dot", block_n=256, num_warps=8), (8, 16)),
     ("nibble_dot_n256_w8", dict(kernel="nibble_dot", block_n=256, num_warps=8), (8, 16)),
     ("pair_dot_n64", dict(kernel="pair_dot", block_n=64), (8, 16)),
@@ -98,12 +103,13 @@ CONFIGS = [
 
 
 LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32",
-             "grouped+lora_epilogue", "grouped_pair+lora_epilogue")  # at 8 and 16 rows
+             "grouped+lora_epilogue", "grouped_pair+lora_epilogue", "grouped_pair2+lora_epilogue")  # at 8 and 16 rows
 # rows whose linears that take one input run as one nf4.group_matmul (hybridcore/fused_decode.py's PACKED): q/k/v,
 # o, gate/up, down, 4 launches a layer instead of 7; with LoRA, u = x @ A^T one product a group (its SharedInput)
 # (with LoRA, kernel: None is the batch's default, nibble_dot at 8-16 rows)
 GROUPED = {"grouped": (False, None), "grouped+lora_epilogue": (True, None), "grouped_pair": (False, "pair_dot"),
-           "grouped_pair+lora_epilogue": (True, "pair_dot")}
+           "grouped_pair+lora_epilogue": (True, "pair_dot"), "grouped_pair2": (False, "pair_dot2"),
+           "grouped_pair2+lora_epilogue": (True, "pair_dot2")}
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 
 
@@ -214,7 +220,7 @@ def run(a, weights, res: dict, graph: bool) -> None:
     t0, fns, path = time.time(), methods(CONFIGS), os.path.join(a.out, "nf4_decode.json")
     todo = [(b, name) for b in a.batches for name in ("bnb", "bf16")]
     todo += [(b, name) for b in a.batches if b in (8, 16) and a.lora_rank for name in LORA_ROWS]
-    todo += [(b, name) for b in a.batches if b in (8, 16) for name in ("grouped", "grouped_pair")]
+    todo += [(b, name) for b in a.batches if b in (8, 16) for name in ("grouped", "grouped_pair", "grouped_pair2")]
     todo += [(b, name) for name, _, batches in CONFIGS for b in batches if b in a.batches]
     for b, name in todo:
         if name not in ("bnb", "bf16", *LORA_ROWS, *GROUPED) and time.time() - t0 > a.budget_s:

@@ -7,7 +7,8 @@ triton.compile for GPUTarget("cuda", 90, 32) as that test does, except that the 
 Triton's JIT specialises them on a GPU (pointers and ints divisible by 16 marked so, ints equal to 1 made
 constants): vector widths depend on it. The loop is the longest backward branch of the PTX and of the SASS (the
 wheel's nvdisasm); counts are per thread and iteration, "per byte" divides by the weight bytes a thread covers in
-one iteration (BLOCK_N x BLOCK_K / 2, or x QBLOCK / 2 for nf4_lut's, over 32 x num_warps threads). Two ceilings come
+one iteration (BLOCK_N x BLOCK_K / 2, or x QBLOCK x STEP_BLOCKS / 2 for nf4_lut's, over 32 x num_warps threads).
+Two ceilings come
 of the SASS counts, each as if nothing else bounded the loop: issue (an SM issues 4 warp-instructions a clock) and
 mio (an SM's L1 / shared memory moves 128 bytes a clock: global, shared-memory and ldmatrix loads and stores,
 shuffles, at least 4 bytes a thread each; bank conflicts are not seen, nor the bytes a wgmma reads from shared
@@ -199,8 +200,9 @@ def analyse(kernel: str, m: int, linear: str, given: dict, dump: str | None = No
     ptx = ptx_mix(compiled.asm["ptx"])
     bn, bk, warps = kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"]
     values = dict(zip(fn.arg_names, args))
-    # nf4_lut's kernels step one quantisation block at a time (their BLOCK_K sizes the splits only)
-    step, per_split = (kwargs["QBLOCK"] if kernel in nf4.LUT_KERNELS else bk) // 2, values["PER_SPLIT"]
+    # nf4_lut's kernels step one quantisation block at a time, or STEP_BLOCKS (their BLOCK_K sizes the splits only)
+    lut = kwargs["QBLOCK"] * kwargs.get("STEP_BLOCKS", 1)
+    step, per_split = (lut if kernel in nf4.LUT_KERNELS else bk) // 2, values["PER_SPLIT"]
     thread_bytes = bn * step / (32 * warps)  # weight bytes a thread covers in one iteration
     smem = compiled.metadata.shared
     row = {"kernel": kernel, "batch": m, "linear": linear, "k": k, "n": n, "given": given,

@@ -94,9 +94,14 @@ DEFAULTS = {"gemv": dict(block_n=128, block_k=64, num_warps=4, num_stages=1),
             # 128 rows of W a program, one quantisation block a step; block_k only sizes the splits of K: 256
             # gives k and v 16 splits of 4 steps, not 64 of one
             "pair_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1),
-            "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1)}
-KERNELS = ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot")
-LUT_KERNELS = ("pair_dot", "nibble_dot")  # hybridcore/nf4_lut.py's nf4_lut_dot, levels looked up in shared memory
+            "nibble_dot": dict(block_n=128, block_k=256, num_warps=4, num_stages=1),
+            # two quantisation blocks a step, scaled before one MMA (nf4_lut._two_block_loop), untimed yet: 64 rows
+            # keep pair_dot2 at 128 registers, 4 programs an SM (128 rows: 180, 2), sm_90 code by bench/nf4_ptx.py
+            "pair_dot2": dict(block_n=64, block_k=256, num_warps=4, num_stages=1),
+            "nibble_dot2": dict(block_n=64, block_k=256, num_warps=4, num_stages=1)}
+KERNELS = ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot", "pair_dot2", "nibble_dot2")
+# hybridcore/nf4_lut.py's nf4_lut_dot, levels looked up in shared memory
+LUT_KERNELS = ("pair_dot", "nibble_dot", "pair_dot2", "nibble_dot2")
 SPLIT_TARGET = 4  # split_k="auto" splits K until there are this many programs per SM (or K runs out)
 _COUNTERS: dict = {}  # device -> int32 counters of the in-kernel split reduction, zero between calls
 
@@ -109,7 +114,8 @@ def matmul(x: torch.Tensor, w: NF4Weight, kernel: str | None = None, block_n: in
     """x [..., K] @ W^T -> [..., N] in x's dtype, fp32 accumulation, reading W's 4-bit bytes once.
 
     kernel: "gemv", "dot", "scaled_dot" (dot's tiles, one MMA per block_k with the levels scaled before it),
-    "pair_dot" / "nibble_dot" (levels looked up in shared memory, a byte or a nibble at a time: nf4_lut.py), or None
+    "pair_dot" / "nibble_dot" (levels looked up in shared memory, a byte or a nibble at a time: nf4_lut.py),
+    "pair_dot2" / "nibble_dot2" (the same two quantisation blocks a step, the levels scaled before one MMA), or None
     (by the batch: GEMV_MAX_M, NIBBLE_DOT_MAX_M); unset tiles, warps and stages come from DEFAULTS.
     block_m: batch rows a program takes (default the batch rounded up to a power of two, at most 8 for gemv, 16 to
     64 for dot); more rows than that take more programs, each reading W again. vec (gemv): bytes of a row a thread
@@ -174,7 +180,8 @@ def group_matmul(x: torch.Tensor, weights: list[NF4Weight], kernel: str | None =
     extra = {"VEC": cfg["vec"]} if kernel == "gemv" else {
         "PRECISION": "ieee" if x.dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
     if kernel in LUT_KERNELS:  # a pair of levels fills an int32 only for 16-bit x: fp32 x looks up nibbles
-        extra.update(PAIRS=kernel == "pair_dot" and x.dtype != torch.float32,
+        extra.update(PAIRS=kernel.startswith("pair_dot") and x.dtype != torch.float32,
+                     STEP_BLOCKS=2 if kernel.endswith("2") else 1,
                      **_lora_arguments(loras[0]), **_member_arguments(weights, loras, bn))
     fn[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x2, w.packed, w.absmax, *_outer(w), w.code, y, part, count, m, n, x2.stride(0), y.stride(0), k // 2,

@@ -30,21 +30,25 @@ def _pair_table(code_ptr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr, dtype: tl.constexpr):
-    """The unscaled levels [BLOCK_N, 2 * HB] in dtype of the bytes [BLOCK_N, HB], in column order. The gathers are
-    1-D: Triton lowers those through shared memory and leaves the index's layout alone (a 2-D tl.gather gets a
-    layout of its own, warp shuffles, and costs conversions of the bytes and of the levels). The pair table in 4
-    or 32 copies, each lane reading its own (fewer or no bank conflicts), was no faster: 6.07 and 6.18 ms against
-    6.06 (bench/RESULTS.md 2026-12-08), Triton storing a gather's table to shared memory at every step."""
+def _levels(byte, table, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, HB: tl.constexpr, dtype: tl.constexpr,
+            scale=None, SCALED: tl.constexpr = False):
+    """The unscaled levels [BLOCK_N, 2 * HB] in dtype of the bytes [BLOCK_N, HB], in column order (SCALED: times
+    `scale`, fp32 [BLOCK_N, HB], one a byte, before the rounding to dtype). The gathers are 1-D: Triton lowers those
+    through shared memory and leaves the index's layout alone (a 2-D tl.gather gets a layout of its own, warp
+    shuffles, and costs conversions of the bytes and of the levels). The pair table in 4 or 32 copies, each lane
+    reading its own (fewer or no bank conflicts), was no faster: 6.07 and 6.18 ms against 6.06 (bench/RESULTS.md
+    2026-12-08), Triton storing a gather's table to shared memory at every step."""
     flat = tl.reshape(byte.to(tl.int32), (BLOCK_N * HB,))
     if PAIRS:
         pair = tl.reshape(tl.gather(table, flat, 0), (BLOCK_N, HB))
         even = pair.to(tl.int16).to(dtype, bitcast=True)
         odd = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
     else:
-        even = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, HB)).to(dtype)
-        odd = tl.reshape(tl.gather(table, flat & 15, 0), (BLOCK_N, HB)).to(dtype)
-    return tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * HB))
+        even = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, HB))
+        odd = tl.reshape(tl.gather(table, flat & 15, 0), (BLOCK_N, HB))
+    if SCALED:
+        even, odd = even.to(tl.float32) * scale, odd.to(tl.float32) * scale
+    return tl.reshape(tl.join(even.to(dtype), odd.to(dtype)), (BLOCK_N, 2 * HB))
 
 
 @triton.jit
@@ -62,6 +66,76 @@ def _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb, end, M, N,
 
 
 @triton.jit
+def _one_block_loop(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, table, rn, rm, start, end, M, N,
+                    stride_xm, ROW_BYTES, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """_lut_tile's loop one quantisation block a step: one MMA of the unscaled levels, its fp32 result scaled."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    byte, q, outer, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, start, end, M, N, stride_xm,
+                                        ROW_BYTES, HB, NESTED, BLOCK2)
+    for kb in range(start, end, HB):
+        byte2, q2, outer2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb + HB, end, M, N,
+                                                stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+        scale = _resolve_scales(q, outer, code2_ptr, offset_ptr, rn < N, NESTED)  # kb < end here
+        w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype)
+        if UPCAST:  # see nf4_dot
+            part = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
+        else:
+            part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
+        acc += part * scale[:, None]
+        byte, q, outer, xv = byte2, q2, outer2, xv2
+    return acc
+
+
+@triton.jit
+def _pair_step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb, end, M, N, stride_xm, ROW_BYTES,
+                        HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """_step_operands for two quantisation blocks from byte kb: the bytes [BLOCK_N, 2 * HB], the absmax parts of
+    each block (the second's masked where it starts at or past `end`) and x's 4 * HB columns; bytes and x columns
+    at or past `end` read as zeros."""
+    cols = kb + tl.arange(0, 2 * HB)
+    ok = rn < tl.where(kb < end, N, 0)
+    byte = tl.load(w_ptr + rn[:, None] * ROW_BYTES + cols[None, :], mask=ok[:, None] & (cols < end)[None, :],
+                   other=0)
+    block = rn * (ROW_BYTES // HB) + kb // HB
+    q0, outer0 = _scale_loads(absmax_ptr, absmax2_ptr, block, ok, NESTED, BLOCK2)
+    q1, outer1 = _scale_loads(absmax_ptr, absmax2_ptr, block + 1, rn < tl.where(kb + HB < end, N, 0), NESTED,
+                              BLOCK2)
+    xc = 2 * kb + tl.arange(0, 4 * HB)
+    x_ok = (rm[:, None] < tl.where(kb < end, M, 0)) & (xc < 2 * end)[None, :]
+    xv = tl.load(x_ptr + rm[:, None] * stride_xm + xc[None, :], mask=x_ok, other=0.0)
+    return byte, q0, outer0, q1, outer1, xv
+
+
+@triton.jit
+def _two_block_loop(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, table, rn, rm, start, end, M, N,
+                    stride_xm, ROW_BYTES, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """_lut_tile's loop two quantisation blocks a step (STEP_BLOCKS 2): the levels are scaled by their block's
+    absmax in fp32 and rounded to x's dtype, as bitsandbytes dequantises, and the two blocks take one MMA of 2 x
+    QBLOCK columns, so each step's fixed costs (the table's store, the layout conversions and their barriers) are
+    paid once for twice the bytes; the per-element multiply is the price."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    byte, q0, outer0, q1, outer1, xv = _pair_step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, start, end,
+                                                           M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
+    first = tl.arange(0, 2 * HB)[None, :] < HB  # the byte columns of the step's first block
+    for kb in range(start, end, 2 * HB):
+        nxt = _pair_step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb + 2 * HB, end, M, N, stride_xm,
+                                  ROW_BYTES, HB, NESTED, BLOCK2)
+        s0 = _resolve_scales(q0, outer0, code2_ptr, offset_ptr, rn < N, NESTED)  # kb < end here
+        s1 = _resolve_scales(q1, outer1, code2_ptr, offset_ptr, rn < tl.where(kb + HB < end, N, 0), NESTED)
+        w = _levels(byte, table, PAIRS, BLOCK_N, 2 * HB, dtype, tl.where(first, s0[:, None], s1[:, None]), True)
+        if UPCAST:  # see nf4_dot
+            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
+        else:
+            acc += tl.dot(w, tl.trans(xv), input_precision=PRECISION)
+        byte, q0, outer0, q1, outer1, xv = nxt
+    return acc
+
+
+@triton.jit
 def _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD: tl.constexpr):
     """(lora_b[rn] [BLOCK_N, R] @ u[rm]^T [R, BLOCK_M]) * scale in fp32, the rank padded to R_PAD (>= 16, a power
     of two: tl.dot's smallest side) with zeros. A few KB a program: plain fp32 FMAs, no tensor-core rounding."""
@@ -76,7 +150,7 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
               ROW_BYTES, PER_SPLIT, HB: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
               PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA: tl.constexpr,
-              R_PAD: tl.constexpr):
+              R_PAD: tl.constexpr, STEP_BLOCKS: tl.constexpr):
     """nf4_lut_dot's product for weight rows rn (rows at or past N are none) and x rows rm over this program's split
     of K, plus the LoRA delta on the first split: the fp32 [BLOCK_N, BLOCK_M] before the splits meet. The next
     step's global loads are in flight while one is multiplied (two steps ahead was slower on an H100: 6.67 against
@@ -92,20 +166,14 @@ def _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code
         table = _pair_table(code_ptr, dtype)
     else:
         table = tl.load(code_ptr + tl.arange(0, 16))
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    byte, q, outer, xv = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, start, end, M, N, stride_xm,
-                                        ROW_BYTES, HB, NESTED, BLOCK2)
-    for kb in range(start, end, HB):
-        byte2, q2, outer2, xv2 = _step_operands(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, rn, rm, kb + HB, end, M, N,
-                                                stride_xm, ROW_BYTES, HB, NESTED, BLOCK2)
-        scale = _resolve_scales(q, outer, code2_ptr, offset_ptr, rn < N, NESTED)  # kb < end here
-        w = _levels(byte, table, PAIRS, BLOCK_N, HB, dtype)
-        if UPCAST:  # see nf4_dot
-            part = tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision=PRECISION)
-        else:
-            part = tl.dot(w, tl.trans(xv), input_precision=PRECISION)
-        acc += part * scale[:, None]
-        byte, q, outer, xv = byte2, q2, outer2, xv2
+    if STEP_BLOCKS == 2:
+        acc = _two_block_loop(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, table, rn, rm, start, end,
+                              M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
+                              BLOCK_N, dtype)
+    else:
+        acc = _one_block_loop(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, table, rn, rm, start, end,
+                              M, N, stride_xm, ROW_BYTES, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
+                              BLOCK_N, dtype)
     if LORA:
         if tl.program_id(2) == 0:
             acc += _lora_delta(u_ptr, lora_b_ptr, scale_ptr, rn, rm, M, N, R, stride_um, R_PAD)
@@ -132,7 +200,8 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
                 LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16, GROUP: tl.constexpr = 1, T1=0, T2=0,
                 w_ptr1=None, absmax_ptr1=None, absmax2_ptr1=None, code2_ptr1=None, offset_ptr1=None, u_ptr1=None,
                 lora_b_ptr1=None, scale_ptr1=None, w_ptr2=None, absmax_ptr2=None, absmax2_ptr2=None,
-                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None):
+                code2_ptr2=None, offset_ptr2=None, u_ptr2=None, lora_b_ptr2=None, scale_ptr2=None,
+                STEP_BLOCKS: tl.constexpr = 1):
     """y^T [BLOCK_N, BLOCK_M] += (levels [BLOCK_N, QBLOCK] @ x^T [QBLOCK, BLOCK_M]) * absmax, one quantisation block a
     step (BLOCK_K only sizes the splits of K; SELECT is unused: the tables are this kernel's lookup). The weight is
     the MMA's wide operand, as in nf4_dot. Each step's global loads are issued a step ahead (in registers), so
@@ -161,5 +230,5 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
         first = 0
     acc = _lut_tile(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, rn - first, rm, M,
                     N - first, stride_xm, ROW_BYTES, PER_SPLIT, HB, NESTED, BLOCK2, PRECISION, UPCAST, PAIRS, BLOCK_M,
-                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD)
+                    BLOCK_N, u_ptr, lora_b_ptr, scale_ptr, R, stride_um, LORA, R_PAD, STEP_BLOCKS)
     _finish(tl.trans(acc), y_ptr, part_ptr, count_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N, REDUCE)

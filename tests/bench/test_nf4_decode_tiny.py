@@ -20,9 +20,10 @@ def test_tiny_run_checks_the_lora_rows(tmp_path):
     res = json.loads((tmp_path / "nf4_decode.json").read_text())
     rows = res["steps"]["8"]
     assert res["lora_rows"] == ["bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora_epilogue_fp32",
-                                "grouped+lora_epilogue", "grouped_pair+lora_epilogue"]
+                                "grouped+lora_epilogue", "grouped_pair+lora_epilogue", "grouped_pair2+lora_epilogue"]
     assert res["lora_rank"] == 16
-    for name in ("bnb", "grouped", "grouped_pair", *res["lora_rows"]):  # grouped: q/k/v and gate/up a launch each
+    # grouped: q/k/v and gate/up a launch each
+    for name in ("bnb", "grouped", "grouped_pair", "grouped_pair2", *res["lora_rows"]):
         assert rows[name]["ok"] and 0 <= rows[name]["err_eager"] < 0.02 and rows[name]["ms"] > 0, (name, rows[name])
     assert res["skipped"]  # past --budget-s the configs are listed, not run
     per = res["per_projection"]  # each projection's linears alone, for the dense, fused and fused + LoRA rows

@@ -15,11 +15,13 @@ N, K = 37, 192  # odd N: partial tiles of every block_n; K: 3 quantisation block
 BATCHES = (1, 3, 8, 16, 64)
 SPEED_ONLY = ("num_warps", "num_stages")  # no effect under the interpreter
 # (config, batch) run on an fp32 absmax too
-PLAIN = (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8), ("pair_dot", 8), ("nibble_dot", 16))
+PLAIN = (("auto", 1), ("auto", 8), ("gemv", 8), ("dot", 16), ("scaled_dot", 8), ("pair_dot", 8), ("nibble_dot", 16),
+         ("pair_dot2", 8), ("nibble_dot2", 3))
 # (kernel, rows, LoRA rank, x's dtype, split_k) with a LoRA delta: in the LUT kernels (a rank padded to 16, one of
 # 16, split and not) and added after the others
-LORA = (("nibble_dot", 8, 16, "float32", "auto"), ("nibble_dot", 3, 5, "bfloat16", 1), ("pair_dot", 16, 8, "bfloat16", 2),
-        ("pair_dot", 8, 32, "float32", "auto"), ("scaled_dot", 8, 16, "float32", "auto"), ("gemv", 2, 8, "bfloat16", "auto"))
+LORA = (("nibble_dot", 8, 16, "float32", "auto"), ("nibble_dot", 3, 5, "bfloat16", 1),
+        ("pair_dot", 16, 8, "bfloat16", 2), ("pair_dot", 8, 32, "float32", "auto"), ("scaled_dot", 8, 16, "float32", "auto"),
+        ("gemv", 2, 8, "bfloat16", "auto"), ("nibble_dot2", 8, 16, "float32", 2), ("pair_dot2", 3, 8, "bfloat16", "auto"))
 
 
 def _distinct() -> dict:
@@ -101,7 +103,7 @@ def split_errors(nf4, torch) -> dict:
     x = torch.randn(8, 10 * 64, generator=torch.Generator().manual_seed(7))
     ref = x @ want.T
     out = {}
-    for kernel in ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"):
+    for kernel in ("gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot", "pair_dot2", "nibble_dot2"):
         for split in (5, 10):
             got = nf4.matmul(x, w, block_k=64, split_k=split, kernel=kernel)
             out[f"{kernel}-split{split}"] = float((got - ref).abs().max() / ref.abs().max())
@@ -115,7 +117,7 @@ def split_errors(nf4, torch) -> dict:
 GROUPS = (("nibble_dot", 8, (64, 32, 48), True, 8, "float32", "auto"), ("nibble_dot", 3, (64, 64, 64), True, 16,
           "bfloat16", 2), ("pair_dot", 16, (128, 96), False, 0, "float32", 2), ("nibble_dot", 8, (32, 40), False, 5,
           "float32", 1), ("dot", 32, (64, 32, 48), True, 8, "float32", "auto"), ("nibble_dot", 8, (37, 64), True, 8,
-          "float32", "auto"))
+          "float32", "auto"), ("pair_dot2", 8, (64, 32, 48), True, 8, "bfloat16", 2))
 
 
 def group_errors(nf4, torch) -> dict:

@@ -55,7 +55,7 @@ def test_fused_matmul_adds_a_lora_delta(results, kernel, m, r, dtype, split):
     assert 0 <= err <= (1e-5 if dtype == "float32" else 2e-2), err
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot"])
+@pytest.mark.parametrize("kernel", ["gemv", "dot", "scaled_dot", "pair_dot", "nibble_dot", "pair_dot2", "nibble_dot2"])
 @pytest.mark.parametrize("split", [5, 10])
 def test_many_splits_meet_in_the_kernel(results, kernel, split):
     """K split 5 and 10 ways: the last split's program adds every partial (its loads unrolled four a turn). fp32 x:

@@ -58,7 +58,8 @@ LAUNCHES = [("gemv", 2, True, torch.bfloat16, 2, 0), ("dot", 8, True, torch.bflo
             ("dot", 64, True, torch.bfloat16, 1, 0), ("pair_dot", 8, True, torch.bfloat16, 2, 0),
             ("nibble_dot", 16, True, torch.bfloat16, 2, 0), ("pair_dot", 16, False, torch.float32, 0, 0),
             ("pair_dot", 8, True, torch.float16, 1, 0), ("nibble_dot", 8, True, torch.bfloat16, 2, 16),
-            ("nibble_dot", 8, True, torch.bfloat16, 0, 8)]
+            ("nibble_dot", 8, True, torch.bfloat16, 0, 8), ("pair_dot2", 8, True, torch.bfloat16, 2, 16),
+            ("nibble_dot2", 16, True, torch.bfloat16, 2, 0)]
 
 
 def failure(launch: str, e: Exception) -> str:
