@@ -209,6 +209,7 @@ class Bench:
         # engine.rollout.decode_4bit: auto (stages/ppo.py's fused_decode): the fused NF4 kernel on a GPU, as every
         # model here is 4-bit; bitsandbytes' own path on a CPU
         self.fused_default = device.type == "cuda"
+        self.values_from_update = True  # ppo.values_from_update, as the pipeline's default (a row turns it off)
         self.it = 0
 
     def gae_roles(self, base):
@@ -228,7 +229,7 @@ class Bench:
             return grpo_config(8, micro, self.new)
         from stages.params import PPO
         return PPO(rollout_batch_size=8, minibatch_size=8, micro_batch_size=micro, ppo_epochs=1, iterations=1,
-                   max_new_tokens=self.new)
+                   max_new_tokens=self.new, values_from_update=self.values_from_update)
 
     def rewards(self, cfg) -> Rewards:
         """gae: the reward model's score; grpo: bench/grpo_peer.py's Python reward (no reward model)."""
@@ -349,6 +350,15 @@ class Bench:
                 module.install(m)
 
     @contextmanager
+    def scored_values(self):
+        """The critic's values from a scoring forward before the updates (ppo.values_from_update false)."""
+        self.values_from_update = False
+        try:
+            yield
+        finally:
+            self.values_from_update = True
+
+    @contextmanager
     def attention(self, impl: str):
         models = self.scorers()
         saved = [m.config._attn_implementation for m in models]
@@ -416,6 +426,9 @@ ABLATION = [("freezing off", {"rollout": False, "frozen": False}, "frozen weight
             ("peft LoRA forward", {"rollout": False, "plain": "qlora_linear"},
              "training and scoring through peft's own 4-bit LoRA forward (clone, scale, add), not "
              "hybridcore/qlora_linear.py's one function"),
+            ("critic values scored first", {"rollout": False, "scored_values": True},
+             "the critic's values from a scoring forward before the updates (ppo.values_from_update false), not "
+             "from its update pass's own forward"),
             ("transformers RMSNorm", {"rollout": False, "plain": "rmsnorm"},
              "training and scoring through transformers' RMSNorm (eight kernels), not hybridcore/rmsnorm.py's one"),
             ("transformers generate (peer)", {"backend": "hf"}, "the rollout through transformers' generate (dynamic "
@@ -465,6 +478,8 @@ def run_row(b: Bench, name: str, sw: dict, res: dict, warm_rollout: bool = False
             ctx = b.attention(sw["attention"])
         elif "plain" in sw:
             ctx = b.plain_forward({"qlora_linear": qlora_linear, "rmsnorm": rmsnorm}[sw["plain"]])
+        elif sw.get("scored_values"):
+            ctx = b.scored_values()
         else:
             ctx = _null()
         with ctx:

@@ -64,6 +64,24 @@ class Gae(Estimator):
         adv, returns = rl.gae(token_rewards(self.cfg, scores, kl, mask), values, mask, self.cfg.gamma, self.cfg.lam)
         return {"values": values, "returns": returns, "advantages": rl.masked_whiten(adv, mask, reduce=batch_reduce())}
 
+    def deferred(self, scores, kl, mask) -> dict:
+        """advantages' stand-in when the critic's update pass supplies the values (PpoStep.values_from_update): the
+        token rewards, and the values, returns and unwhitened advantages that `fill` writes row by row."""
+        zeros = torch.zeros_like(mask)
+        return {"rewards": token_rewards(self.cfg, scores, kl, mask), "values": zeros, "returns": zeros.clone(),
+                "raw_advantages": zeros.clone()}
+
+    def fill(self, exp: dict, idx, values: torch.Tensor) -> None:
+        """Rows idx of a deferred exp from the critic's own forward: its values (detached), GAE's returns and
+        advantages; `whiten` ends it once every row is in."""
+        mask = exp["mask"][idx]
+        values = values.detach().float() * mask
+        adv, returns = rl.gae(exp["rewards"][idx], values, mask, self.cfg.gamma, self.cfg.lam)
+        exp["values"][idx], exp["returns"][idx], exp["raw_advantages"][idx] = values, returns, adv
+
+    def whiten(self, exp: dict) -> None:
+        exp["advantages"] = rl.masked_whiten(exp.pop("raw_advantages"), exp["mask"], reduce=batch_reduce())
+
     def metrics(self, exp: dict) -> dict[str, float]:
         return {"explained_variance": float(rl.explained_variance(exp["values"], exp["returns"], exp["mask"]))}
 

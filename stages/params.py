@@ -127,6 +127,10 @@ class PPO(Steps):
     minibatch_size: int = Field(32, gt=0)   # sequences per optimizer step
     micro_batch_size: int = Field(32, gt=0) # sequences per forward
     ppo_epochs: int = Field(4, gt=0)        # passes over each rollout batch
+    # gae with one epoch and one minibatch a rollout: the critic's values (and GAE's returns and advantages) come
+    # from its update's own forward, not a scoring forward before it (one critic forward fewer a step; the values
+    # are the same weights' either way). false: scored first, as with several epochs or minibatches
+    values_from_update: bool = True
     actor_lr: float = Field(5e-5, gt=0)
     critic_lr: float = Field(1e-4, gt=0)
     warmup_ratio: float = Field(0.0, ge=0, lt=1)

@@ -225,24 +225,37 @@ class PpoStep:
         """Each trained role's engine under its checkpoint and metrics prefix (actor_, critic_)."""
         return {f"{ps.role}_": ps.engine for ps in self.passes}
 
+    def values_from_update(self, rows: int) -> bool:
+        """Whether the critic's values come from its update pass (ppo.values_from_update): a learned critic, one
+        epoch, and this rank's `rows` in one minibatch, so the critic's weights are the same in scoring and in its
+        pass and the pass's own forward gives the values. Its pass then runs before the actor's, filling in the
+        values, returns and advantages (Gae.fill) before the actor needs them; value clipping, around the same
+        forward's values, clips nothing (nor does it before one epoch's first step, when the values agree)."""
+        cfg = self.cfg
+        return (self.estimator.critic and cfg.values_from_update and cfg.ppo_epochs == 1
+                and cfg.minibatch_size // layout_now().layout.dp >= rows)
+
     @torch.no_grad()
     def experience(self, batch, responses: Responses) -> dict:
         """Everything the updates need from one rollout, computed without autograd: log-probs under the actor and
-        the reference, the critic's values (gae), each response's reward, the estimator's advantages. A response
-        ended if it holds a stop token."""
+        the reference, the critic's values (gae; unless they come from its update pass), each response's reward,
+        the estimator's advantages. A response ended if it holds a stop token."""
         cfg, m, micro = self.cfg, self.m, self.micro
         mask = batch.response_mask.float()
+        deferred = self.values_from_update(len(mask))
         with m.use("actor"):
             old_logp = batched(response_logprobs, m.policy, batch, micro)
         with m.use("reference"), m.resident("reference", m.ref):
             ref_logp = batched(response_logprobs, m.ref, batch, micro)
-        values = self.estimator.values(m, batch, micro)
+        values = None if deferred else self.estimator.values(m, batch, micro)
         ended = (torch.isin(batch.responses, self.stops.to(batch.responses.device))
                  & batch.response_mask.bool()).any(1)
         scores, parts = self.rewards.score(m, responses, ended, micro)
         kl = rl.kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask
+        advantages = (self.estimator.deferred(scores, kl, mask) if deferred else
+                      self.estimator.advantages(scores, kl, mask, values))
         return {"old_logp": old_logp, "ref_logp": ref_logp, "scores": scores, "kl": kl, "mask": mask,
-                "ended": ended, **parts, **self.estimator.advantages(scores, kl, mask, values)}
+                "ended": ended, **parts, **advantages}
 
     def update(self, batch, exp: dict, seed: int, it: int) -> dict:
         """ppo_epochs passes over minibatches (ppo.minibatch_size sequences over all ranks).
@@ -274,10 +287,12 @@ class PpoStep:
         return out
 
     def minibatch(self, batch, exp: dict, it: int, mb: torch.Tensor) -> dict[str, float]:
-        """Each trained role's backward pass over one minibatch (row indices `mb`), the actor's first."""
+        """Each trained role's backward pass over one minibatch (row indices `mb`), the actor's first; the critic's
+        first when its pass supplies the values (values_from_update), the advantages whitened after it."""
         n_tok = dp_sum(exp["mask"][mb].sum()).clamp(min=1)  # the global minibatch's tokens
         sums: dict[str, float] = {}
-        for ps in self.passes:
+        deferred = "raw_advantages" in exp
+        for ps in (self.passes[::-1] if deferred else self.passes):
             def micro_step(s: slice, ps=ps) -> float:
                 if s.start == 0:  # a pass redone at a smaller micro-batch sums its statistics again from zero
                     sums.update({k: 0.0 for k in ps.stats})
@@ -285,6 +300,8 @@ class PpoStep:
                 return ps.micro_step(batch.select(idx), exp, idx, n_tok, sums)
             with self.phase(f"{ps.role}_update"):
                 ps.backoff.run(it, len(mb), micro_step, ps.engine.zero_grad)
+            if deferred and ps.role == "critic":
+                self.estimator.whiten(exp)
         return sums
 
     def actor_step(self, sub, exp: dict, idx, n_tok, sums: dict) -> float:
@@ -320,6 +337,8 @@ class PpoStep:
         share = mask.sum() / n_tok
         with m.use("critic"):
             values = engine.forward(response_values, m.critic, sub)
+            if "raw_advantages" in exp:  # values_from_update: this forward's values are the rollout's
+                self.estimator.fill(exp, idx, values)
             vl, vclip = rl.value_loss(values, exp["values"][idx], exp["returns"][idx], mask, self.cfg.value_clip)
             engine.backward(vl * share)
         for k, v in zip(("value_loss", "value_clipfrac"), (vl, vclip)):
@@ -559,7 +578,9 @@ def iteration(r: Loop, it: int, picked: list[int]) -> dict | None:
     if fault_active("ppo", "nan", it):
         exp["scores"][0] = float("nan")
     t2 = time.perf_counter()
-    reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item()])
+    # (advantages deferred to the critic's pass: its value loss is checked, PpoStep.update)
+    reward_sum, adv_sum = dp_sum([exp["scores"].sum().item(), exp["advantages"].sum().item() if "advantages" in exp
+                                  else 0.0])
     if not finite("ppo", it, cfg.on_nonfinite, reward=reward_sum, advantages=adv_sum):
         return None
     stats = r.step.update(batch, exp, p.pipeline.seed + it, it)

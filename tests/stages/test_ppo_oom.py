@@ -73,3 +73,35 @@ def test_injected_oom_in_ppo_update_is_survived_at_half_the_micro_batch(root, mo
     ref_steps = [m for _, m in halved_sink.rows if "actor_micro_batch" in m]
     for name in ("policy_loss", "value_loss", "clipfrac", "entropy", "approx_kl"):
         assert [m[name] for m in steps] == pytest.approx([m[name] for m in ref_steps], rel=0, abs=ATOL), name
+
+
+def test_values_from_the_critic_pass_equal_a_scoring_forward(root, monkeypatch):
+    """ppo.values_from_update: with one minibatch a rollout (16 rows, one epoch) the critic's pass supplies the
+    values, returns and advantages instead of a scoring forward (none runs: Gae.values is never called), and the
+    weights after two iterations equal those of the scoring forward's run within float rounding; an OOM injected
+    into the critic's pass redoes it at half the micro-batch, every row's values written again."""
+    from stages import estimators
+    base = root[0]
+    calls = []
+    scored = estimators.Gae.values
+    monkeypatch.setattr(estimators.Gae, "values", lambda self, *a: calls.append(1) or scored(self, *a))
+    results = {}
+    for deferred in (True, False):
+        if deferred:
+            monkeypatch.setenv(FAULT_ENV, "ppo:critic:oom:0")
+        else:
+            monkeypatch.delenv(FAULT_ENV, raising=False)
+        p = load_params("test", {"pipeline": {"artifacts_dir": str(base)},
+                                 "ppo": {"minibatch_size": 16, "micro_batch_size": 4, "values_from_update": deferred}})
+        sink = ListSink()
+        results[deferred] = run_stage(p, "ppo", stage_keys(p), sink, force=True), sink
+        assert len(calls) == (0 if deferred else 2), deferred  # a scoring forward of the critic each iteration
+        calls.clear()
+    (got, got_sink), (ref, ref_sink) = results[True], results[False]
+    assert [m["critic_micro_batch"] for _, m in got_sink.rows if "critic_micro_batch" in m] == [2.0, 2.0]
+    w, w_ref = weights(got), weights(ref)
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], rtol=0, atol=ATOL, msg=k)
+    steps, ref_steps = ([m for _, m in s.rows if "value_loss" in m] for s in (got_sink, ref_sink))
+    for name in ("policy_loss", "value_loss", "explained_variance", "value_clipfrac", "reward"):
+        assert [m[name] for m in steps] == pytest.approx([m[name] for m in ref_steps], rel=0, abs=ATOL), name
