@@ -212,7 +212,8 @@ def nf4_lut_dot(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, co
     GROUP (2 or 3): up to three weights that take the same x in one launch (q/k/v, gate/up), their outputs side by
     side in y (N their rows together): tiles from T1 (and T2) on are the second (third) member's, whose tensors are
     the arguments ending in 1 (2); every member but the last has whole tiles of rows, so a tile is one member's and
-    y's columns are the tiles' own. The members share x, the NF4 code and LoRA's rank and u's row stride."""
+    y's columns are the tiles' own. The members share x, the NF4 code and LoRA's rank and u's row stride.
+    STEP_BLOCKS 2 (pair_dot2, nibble_dot2): two quantisation blocks a step, their levels scaled before one MMA."""
     HB: tl.constexpr = QBLOCK // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
