@@ -266,29 +266,3 @@ def test_dpo_loss_by_hand():
     assert_close(rl.dpo_loss(*args, kind="ipo")[0], t(2.5), **ATOL)
     with pytest.raises(ValueError, match="sigmoid or ipo"):
         rl.dpo_loss(*args, kind="hinge")
-
-
-def _gae_token_by_token(rewards, values, mask, gamma, lam):
-    """The textbook backward recursion, one token at a time (what rl.gae computes by doubling)."""
-    mask = mask.to(values.dtype)
-    adv, last = torch.zeros_like(values), torch.zeros_like(values[:, 0])
-    for i in reversed(range(rewards.shape[1])):
-        next_v = values[:, i + 1] * mask[:, i + 1] if i + 1 < rewards.shape[1] else torch.zeros_like(last)
-        last = (rewards[:, i] + gamma * next_v - values[:, i] + gamma * lam * last) * mask[:, i]
-        adv[:, i] = last
-    return adv, (adv + values) * mask
-
-
-@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.9, 0.0)])
-@pytest.mark.parametrize("T", [1, 7, 64, 300])
-def test_gae_by_doubling_equals_the_token_recursion(gamma, lam, T):
-    """rl.gae's log2(T) doubling steps equal the token-by-token recursion: right-padded rows of every length (none
-    too), and masks with holes (a 0 between 1s restarts the sum), T not a power of two."""
-    g = torch.Generator().manual_seed(T)
-    rewards, values = torch.randn(6, T, generator=g), torch.randn(6, T, generator=g)
-    lengths = torch.tensor([T, T - 1, T // 2, 1, 0, T])
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
-    mask[5] = (torch.rand(T, generator=g) > 0.3).float()  # holes
-    got, want = rl.gae(rewards, values, mask, gamma, lam), _gae_token_by_token(rewards, values, mask, gamma, lam)
-    for a, b in zip(got, want):
-        assert_close(a, b, atol=1e-4, rtol=1e-5)
