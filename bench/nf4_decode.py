@@ -106,7 +106,7 @@ LORA_ROWS = ("bnb+lora_peft", "auto+lora_peft", "auto+lora_epilogue", "auto+lora
              "grouped+lora_epilogue", "grouped_pair+lora_epilogue", "grouped_pair2+lora_epilogue")  # at 8 and 16 rows
 # rows whose linears that take one input run as one nf4.group_matmul (hybridcore/fused_decode.py's PACKED): q/k/v,
 # o, gate/up, down, 4 launches a layer instead of 7; with LoRA, u = x @ A^T one product a group (its SharedInput)
-# (with LoRA, kernel: None is the batch's default, nibble_dot at 8-16 rows)
+# name -> (with LoRA, the kernel: None is the batch's default, nibble_dot at 8-16 rows)
 GROUPED = {"grouped": (False, None), "grouped+lora_epilogue": (True, None), "grouped_pair": (False, "pair_dot"),
            "grouped_pair+lora_epilogue": (True, "pair_dot"), "grouped_pair2": (False, "pair_dot2"),
            "grouped_pair2+lora_epilogue": (True, "pair_dot2")}

@@ -60,9 +60,11 @@ class Gae(Estimator):
             return batched(response_values, m.critic, batch, micro)
 
     def advantages(self, scores, kl, mask, values) -> dict:
-        values = values * mask
-        adv, returns = rl.gae(token_rewards(self.cfg, scores, kl, mask), values, mask, self.cfg.gamma, self.cfg.lam)
-        return {"values": values, "returns": returns, "advantages": rl.masked_whiten(adv, mask, reduce=batch_reduce())}
+        """Every row at once: the deferred form (below) filled from the scoring forward's values and whitened."""
+        exp = {"mask": mask, **self.deferred(scores, kl, mask)}
+        self.fill(exp, slice(None), values)
+        self.whiten(exp)
+        return {k: exp[k] for k in ("values", "returns", "advantages")}
 
     def deferred(self, scores, kl, mask) -> dict:
         """advantages' stand-in when the critic's update pass supplies the values (PpoStep.values_from_update): the
